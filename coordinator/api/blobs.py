@@ -1,0 +1,41 @@
+"""Binary downloads: model snapshots (immutable, cacheable) and data shards."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Path, Request, Response
+from starlette.concurrency import run_in_threadpool
+
+from coordinator.api.deps import CoordinatorDep, CurrentWorker
+from coordinator.errors import Unprocessable
+from shared import protocol
+
+router = APIRouter(prefix=protocol.API_PREFIX, tags=["blobs"])
+
+_BINARY = {200: {"content": {"application/octet-stream": {}}, "description": "zstd-compressed bytes"}}
+
+
+@router.get("/runs/{run}/snapshots/{version}", response_class=Response, responses=_BINARY)
+async def snapshot(run: str, request: Request, coord: CoordinatorDep,
+                   version: Annotated[str, Path(pattern=r"^(latest|\d{1,18})$")]) -> Response:
+    """The model at `version` (or `latest`) as zstd-compressed safetensors."""
+    if version != "latest" and not version.isdigit():
+        raise Unprocessable("version must be a number or 'latest'")
+    blob, v, sha = await run_in_threadpool(coord.snapshot, run, version)
+    etag = f'"{sha}"'
+    headers = {protocol.H_SHA256: sha, protocol.H_VERSION: str(v), "ETag": etag}
+    # A numbered version never changes; `latest` moves with every merge.
+    headers["Cache-Control"] = "no-cache" if version == "latest" else "public, max-age=31536000, immutable"
+    if request.headers.get("if-none-match") == etag:
+        return Response(status_code=304, headers=headers)
+    return Response(blob, media_type="application/octet-stream", headers=headers)
+
+
+@router.get("/runs/{run}/shards/{shard}", response_class=Response, responses=_BINARY)
+async def shard(run: str, shard: Annotated[int, Path(ge=0)], coord: CoordinatorDep,
+                worker: CurrentWorker) -> Response:
+    """A data shard: zstd-compressed uint8 byte tokens; X-Content-SHA256 is of the raw tokens."""
+    blob, sha = await run_in_threadpool(coord.shard, run, shard, worker)
+    return Response(blob, media_type="application/octet-stream",
+                    headers={protocol.H_SHA256: sha, "Cache-Control": "private, max-age=31536000, immutable"})

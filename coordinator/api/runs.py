@@ -1,0 +1,39 @@
+"""Runs: create (operator), list, status."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+from starlette.concurrency import run_in_threadpool
+
+from coordinator.api.deps import AdminDep, CoordinatorDep
+from shared import protocol
+from shared.config import RunConfig
+
+router = APIRouter(prefix=protocol.API_PREFIX, tags=["runs"])
+
+
+@router.post("/runs", status_code=201, response_model=protocol.RunCreated)
+async def create_run(cfg: RunConfig, coord: CoordinatorDep, _: AdminDep) -> protocol.RunCreated:
+    """Create a training run: reads the corpus, cuts shards, initialises the model (version 0)."""
+    return await run_in_threadpool(coord.create_run, cfg)
+
+
+@router.get("/runs", response_model=list[protocol.RunSummary])
+async def list_runs(coord: CoordinatorDep) -> list[protocol.RunSummary]:
+    return await run_in_threadpool(coord.list_runs)
+
+
+@router.get("/runs/{run}/status", response_model=protocol.RunStatus)
+async def run_status(run: str, coord: CoordinatorDep) -> protocol.RunStatus:
+    return await run_in_threadpool(coord.status, run)
+
+
+@router.get("/runs/{run}/config", response_model=RunConfig, response_model_exclude={"join_key"})
+async def run_config(run: str, coord: CoordinatorDep) -> RunConfig:
+    return await run_in_threadpool(coord.run_config, run)
+
+
+@router.post("/runs/{run}/evaluate", response_model=protocol.EvalPoint)
+async def evaluate(run: str, coord: CoordinatorDep, _: AdminDep) -> protocol.EvalPoint:
+    """Evaluate the current global model now (operators; the merger also does it every eval_every)."""
+    return await run_in_threadpool(coord.evaluate_now, run)

@@ -1,0 +1,58 @@
+"""Workers: registration, leases, delta uploads."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request, Response
+from starlette.concurrency import run_in_threadpool
+
+from coordinator.api.deps import CoordinatorDep, CurrentWorker
+from coordinator.errors import PayloadTooLarge, ServiceError
+from shared import protocol
+
+router = APIRouter(prefix=protocol.API_PREFIX, tags=["workers"])
+
+
+@router.post("/runs/{run}/workers", status_code=201, response_model=protocol.RegisterResponse)
+async def register(run: str, req: protocol.RegisterRequest, coord: CoordinatorDep) -> protocol.RegisterResponse:
+    """Register a worker with a run; the token in the answer is shown only this once."""
+    return await run_in_threadpool(coord.register_worker, run, req)
+
+
+@router.post("/runs/{run}/leases", response_model=protocol.Lease,
+             responses={204: {"description": "no work right now; ask again after Retry-After seconds"}})
+async def take_lease(run: str, coord: CoordinatorDep, worker: CurrentWorker) -> protocol.Lease | Response:
+    """Lease a data shard and the model version to train it from."""
+    lease = await run_in_threadpool(coord.grant_lease, run, worker)
+    if lease is None:
+        return Response(status_code=204, headers={"Retry-After": "2"})
+    return lease
+
+
+_OCTET = {"requestBody": {"required": True, "content": {
+    "application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}}}
+
+
+@router.post("/leases/{lease_id}/delta", status_code=202, response_model=protocol.DeltaAccepted,
+             openapi_extra=_OCTET)
+async def upload_delta(lease_id: int, request: Request, coord: CoordinatorDep,
+                       worker: CurrentWorker) -> protocol.DeltaAccepted:
+    """Upload the encoded delta of a lease. 202 once it is durably queued for merging."""
+    ctype = request.headers.get("content-type", "").split(";")[0].strip()
+    if ctype != "application/octet-stream":
+        raise ServiceError(f"send the delta as application/octet-stream, not {ctype or 'nothing'}")
+    body = await read_capped(request, coord.settings.max_upload_bytes)
+    return await run_in_threadpool(coord.accept_delta, lease_id, worker, body)
+
+
+async def read_capped(request: Request, cap: int) -> bytes:
+    """The request body, refused with 413 as soon as it passes `cap` bytes (counted while streaming)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > cap:
+        raise PayloadTooLarge(f"body of {declared} bytes exceeds the limit of {cap} bytes")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > cap:
+            raise PayloadTooLarge(f"body exceeds the limit of {cap} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)

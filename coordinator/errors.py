@@ -1,0 +1,42 @@
+"""Errors the service layer raises; api/errors.py turns each into one HTTP answer."""
+
+from __future__ import annotations
+
+from shared.errors import IdletrainError
+
+
+class ServiceError(IdletrainError):
+    status_code = 400
+
+    def __init__(self, detail: str, *, headers: dict[str, str] | None = None) -> None:
+        super().__init__(detail)
+        self.detail = detail
+        self.headers = headers or {}
+
+
+class Unauthorized(ServiceError):
+    status_code = 401
+
+
+class Forbidden(ServiceError):
+    status_code = 403
+
+
+class NotFound(ServiceError):
+    status_code = 404
+
+
+class Conflict(ServiceError):
+    status_code = 409
+
+
+class Gone(ServiceError):
+    status_code = 410
+
+
+class PayloadTooLarge(ServiceError):
+    status_code = 413
+
+
+class Unprocessable(ServiceError):
+    status_code = 422

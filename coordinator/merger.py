@@ -1,0 +1,110 @@
+"""The one merger: applies acknowledged deltas in arrival order, evaluates, checkpoints.
+
+It runs as a background thread of the coordinator process. Requests never wait for it: an
+upload returns once its delta is durably queued, and the merger catches up on its own.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from sqlalchemy import delete, select, update
+
+from coordinator.models import DeltaRecord, Lease, ModelVersion, Run, utcnow
+from coordinator.runtime import RunRuntime
+from coordinator.service import Coordinator
+
+log = logging.getLogger(__name__)
+
+
+class Merger:
+    def __init__(self, coord: Coordinator) -> None:
+        self.coord = coord
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.last_error: str | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="idletrain-merger", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        for rt in self.coord.runtime_list():
+            rt.write_checkpoint()
+
+    def _loop(self) -> None:
+        last_expiry = 0.0
+        while not self._stop.is_set():
+            worked = False
+            try:
+                for rt in self.coord.runtime_list():
+                    worked |= self.step(rt)
+                if time.monotonic() - last_expiry > 1.0:
+                    self.coord.expire_leases()
+                    last_expiry = time.monotonic()
+            except Exception as exc:  # keep merging other runs; the error is visible in logs
+                log.exception("merger error")
+                self.last_error = repr(exc)
+                self._stop.wait(1.0)
+            if not worked:
+                self._stop.wait(self.coord.settings.merge_idle_s)
+
+    def drain(self) -> int:
+        """Merge everything queued now, synchronously (tests and shutdown use it)."""
+        n = 0
+        for rt in self.coord.runtime_list():
+            while self.step(rt):
+                n += 1
+        return n
+
+    def step(self, rt: RunRuntime) -> bool:
+        """Merge the next queued delta of one run, if any. Returns whether one was processed."""
+        sessions = self.coord.sessions
+        with sessions() as s:
+            rec = s.scalar(select(DeltaRecord).where(DeltaRecord.run_id == rt.run_id,
+                                                     DeltaRecord.seq == rt.version + 1))
+            if rec is None:
+                return False
+            seq, base = rec.seq, rec.base_version
+        t0 = time.perf_counter()
+        with rt.lock:
+            out = rt.merge(seq=seq, base_version=base)
+        cfg = rt.config
+        with sessions() as s:
+            s.execute(update(DeltaRecord).where(DeltaRecord.run_id == rt.run_id, DeltaRecord.seq == seq).values(
+                outcome="merged" if out.merged else "rejected", staleness=out.staleness, weight=out.weight,
+                reason=out.reason, merged_at=utcnow()))
+            s.add(ModelVersion(run_id=rt.run_id, version=out.version, sha256=out.snapshot_sha256,
+                               size_bytes=out.snapshot_size))
+            s.execute(update(Run).where(Run.id == rt.run_id).values(version=out.version))
+            s.commit()
+        if out.version % cfg.eval_every == 0:
+            self.coord.evaluate(rt)
+        if out.version % self.coord.settings.checkpoint_every == 0:
+            rt.write_checkpoint()
+            self._gc_snapshots(rt)
+        if not out.merged:
+            log.warning("run %s: delta %d rejected at merge: %s", cfg.name, seq, out.reason)
+        log.debug("merged seq %d in %.1f ms", seq, 1000 * (time.perf_counter() - t0))
+        return True
+
+    def _gc_snapshots(self, rt: RunRuntime) -> None:
+        """Keep the newest versions and any a live lease still points at; older files go."""
+        keep_from = rt.version - self.coord.settings.snapshot_keep + 1
+        with self.coord.sessions() as s:
+            leased = set(s.scalars(select(Lease.base_version).where(Lease.run_id == rt.run_id,
+                                                                     Lease.state == "active")))
+            old = s.scalars(select(ModelVersion.version).where(ModelVersion.run_id == rt.run_id,
+                                                               ModelVersion.version < keep_from)).all()
+            doomed = [v for v in old if v not in leased and v != 0]
+            for v in doomed:
+                rt.storage.snapshot(rt.run_id, v).unlink(missing_ok=True)
+            if doomed:
+                s.execute(delete(ModelVersion).where(ModelVersion.run_id == rt.run_id,
+                                                     ModelVersion.version.in_(doomed)))
+            s.commit()

@@ -1,0 +1,127 @@
+"""The database schema (SQLAlchemy 2.x ORM): all progress the coordinator must not lose."""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+
+from sqlalchemy import BigInteger, Boolean, DateTime, Float, ForeignKey, Index, Integer, String, Text, UniqueConstraint
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+
+def utcnow() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class Run(Base):
+    __tablename__ = "runs"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(64), unique=True)
+    config_json: Mapped[str] = mapped_column(Text)
+    state: Mapped[str] = mapped_column(String(16), default="active")  # active | paused
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    n_params: Mapped[int] = mapped_column(BigInteger)
+    version: Mapped[int] = mapped_column(BigInteger, default=0)  # deltas processed so far
+    next_seq: Mapped[int] = mapped_column(BigInteger, default=1)  # seq of the next acknowledged delta
+    epoch: Mapped[int] = mapped_column(Integer, default=0)
+    train_tokens: Mapped[int] = mapped_column(BigInteger)
+    eval_tokens: Mapped[int] = mapped_column(BigInteger)
+    tokens_trained: Mapped[int] = mapped_column(BigInteger, default=0)
+    worker_steps: Mapped[int] = mapped_column(BigInteger, default=0)
+    bytes_up: Mapped[int] = mapped_column(BigInteger, default=0)
+    bytes_down_model: Mapped[int] = mapped_column(BigInteger, default=0)
+    bytes_down_data: Mapped[int] = mapped_column(BigInteger, default=0)
+    join_key_hash: Mapped[str | None] = mapped_column(String(64), nullable=True)
+
+
+class Worker(Base):
+    __tablename__ = "workers"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id"), index=True)
+    token_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    name: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    team: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    device: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    last_seen: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    revoked: Mapped[bool] = mapped_column(Boolean, default=False)
+    # Contribution ledger (per run, since a worker registers with one run).
+    tokens_trained: Mapped[int] = mapped_column(BigInteger, default=0)
+    deltas_accepted: Mapped[int] = mapped_column(Integer, default=0)
+    deltas_rejected: Mapped[int] = mapped_column(Integer, default=0)
+    bytes_up: Mapped[int] = mapped_column(BigInteger, default=0)
+    bytes_down: Mapped[int] = mapped_column(BigInteger, default=0)
+
+
+class Shard(Base):
+    __tablename__ = "shards"
+    __table_args__ = (UniqueConstraint("run_id", "index"), Index("ix_shards_pick", "run_id", "state", "index"))
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id"))
+    index: Mapped[int] = mapped_column(Integer)  # position in the corpus
+    n_tokens: Mapped[int] = mapped_column(BigInteger)
+    sha256: Mapped[str] = mapped_column(String(64))  # of the raw tokens
+    state: Mapped[str] = mapped_column(String(16), default="pending")  # pending | leased | done
+    epoch: Mapped[int] = mapped_column(Integer, default=0)  # epoch of its last completion
+    times_trained: Mapped[int] = mapped_column(Integer, default=0)
+
+
+class Lease(Base):
+    __tablename__ = "leases"
+    __table_args__ = (Index("ix_leases_state_deadline", "state", "deadline"),)
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id"), index=True)
+    worker_id: Mapped[int] = mapped_column(ForeignKey("workers.id"), index=True)
+    shard_id: Mapped[int] = mapped_column(ForeignKey("shards.id"))
+    base_version: Mapped[int] = mapped_column(BigInteger)
+    seed: Mapped[int] = mapped_column(BigInteger)
+    lr: Mapped[float] = mapped_column(Float)
+    state: Mapped[str] = mapped_column(String(16), default="active")  # active | expired | delivered | abandoned
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    deadline: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+
+class DeltaRecord(Base):
+    __tablename__ = "deltas"
+    __table_args__ = (UniqueConstraint("run_id", "seq"), Index("ix_deltas_queue", "run_id", "outcome", "seq"))
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id"))
+    lease_id: Mapped[int] = mapped_column(ForeignKey("leases.id"), unique=True)
+    worker_id: Mapped[int] = mapped_column(ForeignKey("workers.id"), index=True)
+    seq: Mapped[int] = mapped_column(BigInteger)  # arrival order; merging it makes version == seq
+    base_version: Mapped[int] = mapped_column(BigInteger)
+    size_bytes: Mapped[int] = mapped_column(Integer)
+    sha256: Mapped[str] = mapped_column(String(64))
+    tokens: Mapped[int] = mapped_column(BigInteger)
+    steps: Mapped[int] = mapped_column(Integer)
+    received_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    outcome: Mapped[str] = mapped_column(String(16), default="queued")  # queued | merged | rejected
+    staleness: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    weight: Mapped[float | None] = mapped_column(Float, nullable=True)
+    reason: Mapped[str | None] = mapped_column(Text, nullable=True)
+    merged_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+
+
+class ModelVersion(Base):
+    __tablename__ = "model_versions"
+    __table_args__ = (UniqueConstraint("run_id", "version"),)
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id"))
+    version: Mapped[int] = mapped_column(BigInteger)
+    sha256: Mapped[str] = mapped_column(String(64))  # of the snapshot file as served
+    size_bytes: Mapped[int] = mapped_column(Integer)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class EvalResult(Base):
+    __tablename__ = "eval_results"
+    __table_args__ = (UniqueConstraint("run_id", "version"),)
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id"))
+    version: Mapped[int] = mapped_column(BigInteger)
+    loss: Mapped[float] = mapped_column(Float)
+    tokens_trained: Mapped[int] = mapped_column(BigInteger)
+    at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)

@@ -1,0 +1,62 @@
+"""Lease policy, pure: which shard goes out next, when a lease is dead, what a round costs.
+
+No database or clock access here; the service passes in plain values and applies the answer.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+
+@dataclass(frozen=True)
+class ShardView:
+    id: int
+    index: int
+    state: str  # pending | leased | done
+    times_trained: int
+
+
+@dataclass(frozen=True)
+class Pick:
+    shard_id: int | None
+    new_epoch: bool  # every shard was done: the caller resets them all to pending first
+
+
+def pick_shard(shards: Sequence[ShardView]) -> Pick:
+    """The least-trained pending shard (lowest index on ties); a new epoch when all are done;
+    nothing while the remaining shards are all out on lease."""
+    pending = [s for s in shards if s.state == "pending"]
+    if pending:
+        best = min(pending, key=lambda s: (s.times_trained, s.index))
+        return Pick(best.id, new_epoch=False)
+    if shards and all(s.state == "done" for s in shards):
+        best = min(shards, key=lambda s: (s.times_trained, s.index))
+        return Pick(best.id, new_epoch=True)
+    return Pick(None, new_epoch=False)
+
+
+def lease_deadline(now: datetime, ttl_s: float) -> datetime:
+    return now + timedelta(seconds=ttl_s)
+
+
+def is_expired(deadline: datetime, now: datetime) -> bool:
+    return now >= deadline
+
+
+def lease_seed(run_seed: int, lease_id: int) -> int:
+    """A 63-bit seed per lease: the worker's sampling and random index selection derive from it."""
+    digest = hashlib.blake2b(f"{run_seed}/{lease_id}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def round_tokens(*, steps: int, batch_size: int, context: int) -> int:
+    return steps * batch_size * context
+
+
+def dense_equivalent_bytes(*, worker_steps: int, n_params: int) -> int:
+    """What data-parallel training would move for the same local steps: one dense fp32 gradient up
+    and one down per step."""
+    return worker_steps * 2 * 4 * n_params

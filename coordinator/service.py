@@ -1,0 +1,403 @@
+"""The coordinator's operations, one method each; routes call these and nothing else.
+
+Every method validates first and changes nothing on a refusal. Deltas are acknowledged only
+after their bytes are fsynced and their row committed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import secrets
+import threading
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+import zstandard
+from sqlalchemy import func, select, update
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session, sessionmaker
+
+from coordinator import scheduler
+from coordinator.db import init_db, make_engine, make_sessionmaker
+from coordinator.errors import Conflict, Forbidden, Gone, NotFound, Unauthorized, Unprocessable
+from coordinator.models import DeltaRecord, EvalResult, Lease, ModelVersion, Run, Shard, Worker, utcnow
+from coordinator.runtime import RunRuntime
+from coordinator.settings import CoordinatorSettings
+from coordinator.storage import Storage
+from shared import codec, protocol
+from shared.algorithms.inner import scheduled_lr
+from shared.config import RunConfig
+from shared.data import cut_shards, load_corpus
+from shared.errors import DeltaFormatError
+from shared.model import build_model, count_params
+
+log = logging.getLogger(__name__)
+
+
+def _hash_secret(secret: str) -> str:
+    return hashlib.sha256(secret.encode()).hexdigest()
+
+
+def _aware(dt: datetime) -> datetime:
+    """SQLite hands datetimes back naive; they were stored as UTC."""
+    return dt if dt.tzinfo else dt.replace(tzinfo=timezone.utc)
+
+
+class Coordinator:
+    """Owns the database, the blob storage and each run's live state."""
+
+    def __init__(self, settings: CoordinatorSettings) -> None:
+        self.settings = settings
+        self.storage = Storage(settings.data_dir)
+        self.engine = make_engine(settings.resolved_database_url)
+        init_db(self.engine)
+        self.sessions: sessionmaker[Session] = make_sessionmaker(self.engine)
+        self.runtimes: dict[int, RunRuntime] = {}
+        self._runtimes_lock = threading.Lock()
+        self._ack_lock = threading.Lock()  # one delta at a time takes the next sequence number
+
+    # -- runs ---------------------------------------------------------------------------------
+
+    def create_run(self, cfg: RunConfig) -> protocol.RunCreated:
+        with self.sessions() as s:
+            if s.scalar(select(Run.id).where(Run.name == cfg.name)) is not None:
+                raise Conflict(f"a run named {cfg.name!r} exists already; pick another name")
+        try:
+            corpus = load_corpus(cfg.corpus, max_bytes=cfg.corpus_max_bytes)
+            shards = cut_shards(corpus.train, cfg.shard_tokens)
+        except ValueError as exc:
+            raise Unprocessable(str(exc)) from None
+        if corpus.eval.size < cfg.model.context + 1:
+            raise Unprocessable(f"the corpus's held-out split ({corpus.eval.size} bytes) is shorter than one context")
+        n_params = count_params(build_model(cfg.model, seed=cfg.seed))
+        with self.sessions() as s:
+            run = Run(name=cfg.name, config_json=cfg.model_dump_json(), n_params=n_params,
+                      train_tokens=int(sum(x.size for x in shards)), eval_tokens=int(corpus.eval.size),
+                      join_key_hash=_hash_secret(cfg.join_key) if cfg.join_key else None, state="creating")
+            s.add(run)
+            s.commit()
+            run_id = run.id
+        cctx = zstandard.ZstdCompressor(level=3)
+        shard_rows = []
+        for i, tokens in enumerate(shards):
+            self.storage.write(self.storage.shard(run_id, i), cctx.compress(tokens.tobytes()))
+            shard_rows.append(Shard(run_id=run_id, index=i, n_tokens=int(tokens.size),
+                                    sha256=hashlib.sha256(tokens.tobytes()).hexdigest()))
+        self.storage.write(self.storage.eval_tokens(run_id), corpus.eval.tobytes())
+        rt = RunRuntime.fresh(run_id=run_id, config=cfg, storage=self.storage)
+        sha, size = rt.write_snapshot()
+        rt.write_checkpoint()
+        loss = rt.evaluate()
+        with self.sessions() as s:
+            s.add_all(shard_rows)
+            s.add(ModelVersion(run_id=run_id, version=0, sha256=sha, size_bytes=size))
+            s.add(EvalResult(run_id=run_id, version=0, loss=loss, tokens_trained=0))
+            s.execute(update(Run).where(Run.id == run_id).values(state="active"))
+            s.commit()
+        with self._runtimes_lock:
+            self.runtimes[run_id] = rt
+        log.info("run %s created: %d shards, %d params, eval loss %.3f", cfg.name, len(shards), n_params, loss)
+        return protocol.RunCreated(name=cfg.name, n_shards=len(shards), n_params=n_params,
+                                   train_tokens=int(sum(x.size for x in shards)), eval_tokens=int(corpus.eval.size))
+
+    def load_runs(self) -> None:
+        """Rebuild every run's live state: checkpoint, then replay of later processed deltas."""
+        with self.sessions() as s:
+            runs = s.scalars(select(Run).where(Run.state != "creating")).all()
+        for run in runs:
+            cfg = RunConfig.model_validate_json(run.config_json)
+            rt = RunRuntime.from_checkpoint(run_id=run.id, config=cfg, storage=self.storage)
+            if rt is None or rt.version > run.version:
+                log.warning("run %s: no usable checkpoint; replaying from version 0", run.name)
+                rt = RunRuntime.fresh(run_id=run.id, config=cfg, storage=self.storage)
+            with self.sessions() as s:
+                todo = s.scalars(select(DeltaRecord).where(
+                    DeltaRecord.run_id == run.id, DeltaRecord.seq > rt.version,
+                    DeltaRecord.seq <= run.version).order_by(DeltaRecord.seq)).all()
+            for rec in todo:
+                rt.merge(seq=rec.seq, base_version=rec.base_version)
+            if todo:
+                rt.write_checkpoint()
+            log.info("run %s resumed at version %d (%d deltas replayed)", run.name, rt.version, len(todo))
+            with self._runtimes_lock:
+                self.runtimes[run.id] = rt
+
+    def runtime_list(self) -> list[RunRuntime]:
+        with self._runtimes_lock:
+            return list(self.runtimes.values())
+
+    def _run(self, s: Session, name: str) -> Run:
+        run = s.scalar(select(Run).where(Run.name == name))
+        if run is None or run.state == "creating":
+            raise NotFound(f"no run named {name!r}")
+        return run
+
+    def list_runs(self) -> list[protocol.RunSummary]:
+        with self.sessions() as s:
+            return [protocol.RunSummary(name=r.name, state=r.state, version=r.version, created_at=_aware(r.created_at))
+                    for r in s.scalars(select(Run).order_by(Run.id))]
+
+    def run_config(self, name: str) -> RunConfig:
+        with self.sessions() as s:
+            return RunConfig.model_validate_json(self._run(s, name).config_json)
+
+    # -- workers ------------------------------------------------------------------------------
+
+    def register_worker(self, run_name: str, req: protocol.RegisterRequest) -> protocol.RegisterResponse:
+        with self.sessions() as s:
+            run = self._run(s, run_name)
+            if run.join_key_hash is not None:
+                if req.join_key is None:
+                    raise Unauthorized(f"run {run_name!r} requires a join key (--join-key)")
+                if not secrets.compare_digest(_hash_secret(req.join_key), run.join_key_hash):
+                    raise Forbidden("wrong join key")
+            token = secrets.token_urlsafe(32)
+            worker = Worker(run_id=run.id, token_hash=_hash_secret(token), name=req.name, team=req.team,
+                            device=req.device)
+            s.add(worker)
+            s.commit()
+            return protocol.RegisterResponse(worker_id=worker.id, token=token)
+
+    def authenticate(self, token: str | None) -> Worker:
+        if not token:
+            raise Unauthorized("missing bearer token: register with POST /api/v1/runs/{run}/workers",
+                               headers={"WWW-Authenticate": "Bearer"})
+        with self.sessions() as s:
+            worker = s.scalar(select(Worker).where(Worker.token_hash == _hash_secret(token)))
+            if worker is None:
+                raise Unauthorized("unknown token", headers={"WWW-Authenticate": "Bearer"})
+            if worker.revoked:
+                raise Forbidden("this worker's token was revoked by the operator")
+            worker.last_seen = utcnow()
+            s.commit()
+            return worker
+
+    # -- leases -------------------------------------------------------------------------------
+
+    def expire_leases(self, now: datetime | None = None) -> int:
+        """Return the shards of leases past their deadline to the queue."""
+        now = now or utcnow()
+        with self.sessions() as s:
+            dead = s.scalars(select(Lease).where(Lease.state == "active", Lease.deadline <= now)).all()
+            for lease in dead:
+                lease.state = "expired"
+                s.execute(update(Shard).where(Shard.id == lease.shard_id, Shard.state == "leased")
+                          .values(state="pending"))
+            s.commit()
+            return len(dead)
+
+    def grant_lease(self, run_name: str, worker: Worker) -> protocol.Lease | None:
+        self.expire_leases()
+        with self.sessions() as s:
+            run = self._run(s, run_name)
+            if worker.run_id != run.id:
+                raise Forbidden(f"this worker is registered with another run, not {run_name!r}")
+            if run.state != "active":
+                return None
+            cfg = RunConfig.model_validate_json(run.config_json)
+            # A worker asking again has given up its previous lease (it restarted, or lost it).
+            for old in s.scalars(select(Lease).where(Lease.worker_id == worker.id, Lease.state == "active")):
+                old.state = "abandoned"
+                s.execute(update(Shard).where(Shard.id == old.shard_id, Shard.state == "leased")
+                          .values(state="pending"))
+            s.flush()
+            shards = s.execute(select(Shard.id, Shard.index, Shard.state, Shard.times_trained)
+                               .where(Shard.run_id == run.id)).all()
+            pick = scheduler.pick_shard([scheduler.ShardView(*row) for row in shards])
+            if pick.shard_id is None:
+                s.commit()
+                return None
+            if pick.new_epoch:
+                s.execute(update(Shard).where(Shard.run_id == run.id).values(state="pending"))
+                run.epoch += 1
+            shard = s.get(Shard, pick.shard_id, with_for_update=True)
+            if shard is None or (shard.state != "pending" and not pick.new_epoch):
+                s.rollback()
+                return None
+            shard.state = "leased"
+            now = utcnow()
+            lr = scheduled_lr(cfg.inner, tokens_done=run.tokens_trained, schedule_tokens=cfg.schedule_tokens)
+            lease = Lease(run_id=run.id, worker_id=worker.id, shard_id=shard.id, base_version=run.version,
+                          seed=0, lr=lr, deadline=scheduler.lease_deadline(now, cfg.lease_ttl_s), created_at=now)
+            s.add(lease)
+            s.flush()
+            lease.seed = scheduler.lease_seed(cfg.seed, lease.id)
+            s.commit()
+            return protocol.Lease(
+                lease_id=lease.id, run=run.name, shard_id=shard.index, shard_sha256=shard.sha256,
+                base_version=lease.base_version, seed=lease.seed, lr=lr, inner=cfg.inner,
+                compression=cfg.compression, model=cfg.model.to_dict(), deadline=lease.deadline)
+
+    # -- blobs --------------------------------------------------------------------------------
+
+    def snapshot(self, run_name: str, version: str | int) -> tuple[bytes, int, str]:
+        with self.sessions() as s:
+            run = self._run(s, run_name)
+            v = run.version if version == "latest" else int(version)
+            row = s.scalar(select(ModelVersion).where(ModelVersion.run_id == run.id, ModelVersion.version == v))
+            if row is None:
+                if 0 <= v <= run.version:
+                    raise Gone(f"version {v} is no longer kept; fetch snapshots/latest")
+                raise NotFound(f"run {run_name!r} has no version {v} (latest is {run.version})")
+            try:
+                blob = self.storage.snapshot(run.id, v).read_bytes()
+            except FileNotFoundError:
+                raise Gone(f"version {v} is no longer kept; fetch snapshots/latest") from None
+            s.execute(update(Run).where(Run.id == run.id).values(bytes_down_model=Run.bytes_down_model + len(blob)))
+            s.commit()
+            return blob, v, row.sha256
+
+    def shard(self, run_name: str, shard_index: int, worker: Worker) -> tuple[bytes, str]:
+        with self.sessions() as s:
+            run = self._run(s, run_name)
+            if worker.run_id != run.id:
+                raise Forbidden(f"this worker is registered with another run, not {run_name!r}")
+            shard = s.scalar(select(Shard).where(Shard.run_id == run.id, Shard.index == shard_index))
+            if shard is None:
+                raise NotFound(f"run {run_name!r} has no shard {shard_index}")
+            blob = self.storage.shard(run.id, shard.index).read_bytes()
+            s.execute(update(Run).where(Run.id == run.id).values(bytes_down_data=Run.bytes_down_data + len(blob)))
+            s.execute(update(Worker).where(Worker.id == worker.id).values(bytes_down=Worker.bytes_down + len(blob)))
+            s.commit()
+            return blob, shard.sha256
+
+    # -- deltas -------------------------------------------------------------------------------
+
+    def accept_delta(self, lease_id: int, worker: Worker, body: bytes) -> protocol.DeltaAccepted:
+        digest = hashlib.sha256(body).hexdigest()
+        with self.sessions() as s:
+            lease = s.get(Lease, lease_id)
+            if lease is None:
+                raise NotFound(f"no lease {lease_id}")
+            if lease.worker_id != worker.id:
+                raise Forbidden(f"lease {lease_id} belongs to another worker")
+            prior = s.scalar(select(DeltaRecord).where(DeltaRecord.lease_id == lease_id))
+            if prior is not None:
+                if prior.sha256 == digest:  # a retry after a lost answer: same answer, merged once
+                    return protocol.DeltaAccepted(lease_id=lease_id, delta_id=prior.id,
+                                                  will_merge_into=prior.seq, duplicate=True)
+                raise Conflict(f"lease {lease_id} already delivered a different delta")
+            if lease.state == "abandoned":
+                raise Gone(f"lease {lease_id} was given up when this worker took a newer lease")
+            run = s.get(Run, lease.run_id)
+            cfg = RunConfig.model_validate_json(run.config_json)
+        rt = self.runtimes.get(lease.run_id)
+        if rt is None:
+            raise NotFound("the run of this lease is not loaded")
+        try:
+            delta = codec.decode(body, schema=rt.schema)
+        except DeltaFormatError as exc:
+            self._count_rejection(worker.id, lease.run_id, len(body))
+            raise Unprocessable(f"delta refused: {exc}") from None
+        if delta.base_version != lease.base_version:
+            self._count_rejection(worker.id, lease.run_id, len(body))
+            raise Unprocessable(f"delta says base version {delta.base_version}, "
+                                f"but lease {lease_id} handed out version {lease.base_version}")
+        if run.version - lease.base_version > cfg.outer.max_staleness:
+            self._count_rejection(worker.id, lease.run_id, len(body))
+            raise Gone(f"lease {lease_id} is {run.version - lease.base_version} versions stale, "
+                       f"above the run's limit of {cfg.outer.max_staleness}; take a new lease")
+        tokens = scheduler.round_tokens(steps=cfg.inner.steps, batch_size=cfg.inner.batch_size,
+                                        context=cfg.model.context)
+        with self._ack_lock, self.sessions() as s:
+            prior = s.scalar(select(DeltaRecord).where(DeltaRecord.lease_id == lease_id))
+            if prior is not None:  # the same upload raced itself; the first one won
+                if prior.sha256 != digest:
+                    raise Conflict(f"lease {lease_id} already delivered a different delta")
+                return protocol.DeltaAccepted(lease_id=lease_id, delta_id=prior.id,
+                                              will_merge_into=prior.seq, duplicate=True)
+            run = s.get(Run, lease.run_id, with_for_update=True)
+            seq = run.next_seq
+            # Bytes first, durably; only then the row that makes the delta real.
+            self.storage.write(self.storage.delta(run.id, seq), body)
+            rec = DeltaRecord(run_id=run.id, lease_id=lease_id, worker_id=worker.id, seq=seq,
+                              base_version=lease.base_version, size_bytes=len(body), sha256=digest,
+                              tokens=tokens, steps=cfg.inner.steps)
+            s.add(rec)
+            run.next_seq = seq + 1
+            run.tokens_trained += tokens
+            run.worker_steps += cfg.inner.steps
+            run.bytes_up += len(body)
+            s.execute(update(Lease).where(Lease.id == lease_id).values(state="delivered"))
+            s.execute(update(Shard).where(Shard.id == lease.shard_id)
+                      .values(state="done", times_trained=Shard.times_trained + 1))
+            s.execute(update(Worker).where(Worker.id == worker.id).values(
+                tokens_trained=Worker.tokens_trained + tokens, deltas_accepted=Worker.deltas_accepted + 1,
+                bytes_up=Worker.bytes_up + len(body)))
+            s.commit()
+            return protocol.DeltaAccepted(lease_id=lease_id, delta_id=rec.id, will_merge_into=seq)
+
+    def _count_rejection(self, worker_id: int, run_id: int, size: int) -> None:
+        with self.sessions() as s:
+            s.execute(update(Worker).where(Worker.id == worker_id).values(
+                deltas_rejected=Worker.deltas_rejected + 1, bytes_up=Worker.bytes_up + size))
+            s.execute(update(Run).where(Run.id == run_id).values(bytes_up=Run.bytes_up + size))
+            s.commit()
+
+    # -- evaluation ---------------------------------------------------------------------------
+
+    def evaluate(self, rt: RunRuntime) -> protocol.EvalPoint:
+        """Evaluate the run's current model on its held-out split and record it (once per version)."""
+        with rt.lock:
+            version, loss = rt.version, rt.evaluate()
+        with self.sessions() as s:
+            prior = s.scalar(select(EvalResult).where(EvalResult.run_id == rt.run_id, EvalResult.version == version))
+            if prior is not None:
+                return protocol.EvalPoint(version=version, loss=prior.loss, tokens_trained=prior.tokens_trained,
+                                          at=_aware(prior.at))
+            # Tokens in the deltas this version holds (merged ones, up to this version).
+            tokens = s.scalar(select(func.coalesce(func.sum(DeltaRecord.tokens), 0)).where(
+                DeltaRecord.run_id == rt.run_id, DeltaRecord.seq <= version, DeltaRecord.outcome == "merged"))
+            row = EvalResult(run_id=rt.run_id, version=version, loss=loss, tokens_trained=int(tokens))
+            s.add(row)
+            try:
+                s.commit()
+            except IntegrityError:  # evaluated concurrently by the merger and an operator: same result
+                s.rollback()
+        log.info("run %s version %d: eval loss %.4f", rt.config.name, version, loss)
+        return protocol.EvalPoint(version=version, loss=loss, tokens_trained=int(tokens), at=_aware(row.at))
+
+    def evaluate_now(self, run_name: str) -> protocol.EvalPoint:
+        with self.sessions() as s:
+            run_id = self._run(s, run_name).id
+        rt = self.runtimes.get(run_id)
+        if rt is None:
+            raise NotFound(f"run {run_name!r} is not loaded")
+        return self.evaluate(rt)
+
+    # -- status -------------------------------------------------------------------------------
+
+    def status(self, run_name: str) -> protocol.RunStatus:
+        now = utcnow()
+        with self.sessions() as s:
+            run = self._run(s, run_name)
+            counts = dict(s.execute(select(DeltaRecord.outcome, func.count()).where(DeltaRecord.run_id == run.id)
+                                    .group_by(DeltaRecord.outcome)).all())
+            evals = s.scalars(select(EvalResult).where(EvalResult.run_id == run.id)
+                              .order_by(EvalResult.version)).all()
+            active = s.scalar(select(func.count(func.distinct(Lease.worker_id))).where(
+                Lease.run_id == run.id, Lease.state == "active", Lease.deadline > now))
+            total_workers = s.scalar(select(func.count()).select_from(Worker).where(Worker.run_id == run.id))
+            shard_counts = dict(s.execute(select(Shard.state, func.count()).where(Shard.run_id == run.id)
+                                          .group_by(Shard.state)).all())
+            dense = scheduler.dense_equivalent_bytes(worker_steps=run.worker_steps, n_params=run.n_params)
+            moved = run.bytes_up + run.bytes_down_model + run.bytes_down_data
+            return protocol.RunStatus(
+                name=run.name, state=run.state, algorithm=RunConfig.model_validate_json(run.config_json).algorithm,
+                version=run.version, merged_deltas=counts.get("merged", 0), pending_deltas=counts.get("queued", 0),
+                rejected_deltas=counts.get("rejected", 0), eval_loss=evals[-1].loss if evals else None,
+                eval_history=[protocol.EvalPoint(version=e.version, loss=e.loss, tokens_trained=e.tokens_trained,
+                                                 at=_aware(e.at)) for e in evals],
+                workers_active=active or 0, workers_total=total_workers or 0, tokens_trained=run.tokens_trained,
+                worker_steps=run.worker_steps, bytes_up=run.bytes_up,
+                bytes_down=run.bytes_down_model + run.bytes_down_data, bytes_down_model=run.bytes_down_model,
+                bytes_down_data=run.bytes_down_data, dense_equivalent_bytes=dense,
+                traffic_ratio_vs_dense=(dense / moved) if moved else None, n_params=run.n_params,
+                shards_total=sum(shard_counts.values()), shards_done=shard_counts.get("done", 0), epoch=run.epoch)
+
+    def close(self) -> None:
+        self.engine.dispose()
+

@@ -1,0 +1,47 @@
+"""The coordinator's one settings object: built in the entry point, passed down, never global."""
+
+from __future__ import annotations
+
+import ipaddress
+from pathlib import Path
+
+from pydantic import Field, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class CoordinatorSettings(BaseSettings):
+    """Every field can also come from the environment as IDLETRAIN_<FIELD>."""
+
+    model_config = SettingsConfigDict(env_prefix="IDLETRAIN_", extra="forbid")
+
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    data_dir: Path = Path("./idletrain-data")
+    database_url: str | None = Field(None, description="SQLAlchemy URL; default: SQLite in data_dir")
+    admin_token: str | None = Field(None, min_length=16, description="required for operator actions when set")
+    max_upload_bytes: int = Field(64 << 20, ge=1024, description="largest delta body accepted")
+    snapshot_keep: int = Field(8, ge=2, description="recent snapshot versions kept on disk")
+    checkpoint_every: int = Field(20, ge=1, description="versions between merger checkpoints")
+    merge_idle_s: float = Field(0.05, gt=0, description="merger's sleep when nothing is queued")
+    eval_threads: int = Field(1, ge=1, le=256, description="torch threads for merging and evaluation")
+
+    @model_validator(mode="after")
+    def _safe_listen(self) -> CoordinatorSettings:
+        if self.admin_token is None and not _is_loopback(self.host):
+            raise ValueError(
+                f"refusing to listen on {self.host} without an admin token: set IDLETRAIN_ADMIN_TOKEN "
+                "(16+ characters) or listen on 127.0.0.1")
+        return self
+
+    @property
+    def resolved_database_url(self) -> str:
+        return self.database_url or f"sqlite:///{(self.data_dir / 'idletrain.sqlite3').resolve()}"
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

@@ -1,0 +1,57 @@
+"""Blobs in the data dir: shards, snapshots, received deltas, checkpoints. Writes are atomic
+(temp file, fsync, rename, fsync of the folder), so a crash leaves either the old file or the new."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+class Storage:
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def run_dir(self, run_id: int) -> Path:
+        return self.root / "runs" / str(run_id)
+
+    def shard(self, run_id: int, index: int) -> Path:
+        return self.run_dir(run_id) / "shards" / f"{index:06d}.zst"
+
+    def eval_tokens(self, run_id: int) -> Path:
+        return self.run_dir(run_id) / "eval.bin"
+
+    def snapshot(self, run_id: int, version: int) -> Path:
+        return self.run_dir(run_id) / "snapshots" / f"{version:010d}.safetensors.zst"
+
+    def delta(self, run_id: int, seq: int) -> Path:
+        return self.run_dir(run_id) / "deltas" / f"{seq:010d}.delta"
+
+    def checkpoint(self, run_id: int) -> Path:
+        return self.run_dir(run_id) / "checkpoint.safetensors"
+
+    def write(self, path: Path, data: bytes) -> None:
+        atomic_write(path, data)
+
+    def read(self, path: Path) -> bytes:
+        return path.read_bytes()

@@ -1,0 +1,3 @@
+from idletrain.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,249 @@
+"""`idletrain …`: every subcommand with --help. Errors print what to do and exit 2."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import tomllib
+from pathlib import Path
+
+import httpx
+from pydantic import ValidationError
+
+from shared.config import RunConfig
+
+log = logging.getLogger("idletrain")
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(level=getattr(logging, level.upper()), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    # One line per HTTP request drowns the worker's own progress lines.
+    logging.getLogger("httpx").setLevel(max(logging.WARNING, getattr(logging, level.upper())))
+
+
+def _fail(msg: str) -> int:
+    print(f"idletrain: {msg}", file=sys.stderr)
+    return 2
+
+
+# -- coordinator ------------------------------------------------------------------------------
+
+def cmd_coordinator_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from coordinator.app import create_app
+    from coordinator.settings import CoordinatorSettings
+
+    overrides = {k: v for k, v in {"host": args.host, "port": args.port, "data_dir": args.data_dir,
+                                   "database_url": args.database_url, "admin_token": args.admin_token}.items()
+                 if v is not None}
+    settings = CoordinatorSettings(**overrides)
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    log.info("coordinator on http://%s:%d, data in %s", settings.host, settings.port, settings.data_dir.resolve())
+    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=args.log_level.lower(),
+                access_log=args.log_level.upper() == "DEBUG")
+    return 0
+
+
+# -- runs -------------------------------------------------------------------------------------
+
+def _set(d: dict, dotted: str, value) -> None:
+    *parents, leaf = dotted.split(".")
+    for p in parents:
+        d = d.setdefault(p, {})
+    d[leaf] = value
+
+
+RUN_FLAGS = [  # (flag, dotted config key, type, help)
+    ("--corpus", "corpus", str, "builtin:stdlib, or a text file/folder on the coordinator's disk"),
+    ("--corpus-max-bytes", "corpus_max_bytes", int, "read at most this much of the corpus"),
+    ("--shard-tokens", "shard_tokens", int, "tokens per data shard"),
+    ("--lease-ttl", "lease_ttl_s", float, "seconds before a lease expires"),
+    ("--eval-every", "eval_every", int, "evaluate every N versions"),
+    ("--eval-tokens", "eval_tokens", int, "held-out tokens per evaluation"),
+    ("--schedule-tokens", "schedule_tokens", int, "tokens over which the inner lr decays"),
+    ("--seed", "seed", int, "model init and lease seeds"),
+    ("--join-key", "join_key", str, "workers must present this key to register"),
+    ("--steps", "inner.steps", int, "H: local steps per round"),
+    ("--batch-size", "inner.batch_size", int, "sequences per local step"),
+    ("--lr", "inner.lr", float, "peak inner learning rate"),
+    ("--compression", "compression.index", str, "topk | random | dense"),
+    ("--fraction", "compression.fraction", float, "share of elements sent per round"),
+    ("--values", "compression.values", str, "fp32 | fp16 | int8 | int4"),
+    ("--outer-lr", "outer.lr", float, "outer learning rate"),
+    ("--outer-momentum", "outer.momentum", float, "outer Nesterov momentum"),
+    ("--group", "outer.group", int, "deltas per outer momentum step (about the number of workers)"),
+    ("--max-staleness", "outer.max_staleness", int, "versions a delta may lag before refusal"),
+]
+
+
+def build_run_config(name: str, config_path: str | None, flags: dict) -> RunConfig:
+    data: dict = {}
+    if config_path:
+        try:
+            data = tomllib.loads(Path(config_path).read_text())
+        except FileNotFoundError:
+            raise ValueError(f"config file {config_path} does not exist") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ValueError(f"config file {config_path} is not valid TOML: {exc}") from None
+    for key, value in flags.items():
+        if value is not None:
+            _set(data, key, value)
+    data["name"] = name
+    return RunConfig.model_validate(data)
+
+
+def _admin_headers(token: str | None) -> dict:
+    return {"Authorization": f"Bearer {token}"} if token else {}
+
+
+def _error_detail(resp: httpx.Response) -> str:
+    try:
+        detail = resp.json().get("detail")
+    except ValueError:
+        return resp.text
+    return detail if isinstance(detail, str) else json.dumps(detail)
+
+
+def cmd_run_create(args: argparse.Namespace) -> int:
+    flags = {key: getattr(args, flag.lstrip("-").replace("-", "_")) for flag, key, _, _ in RUN_FLAGS}
+    try:
+        cfg = build_run_config(args.name, args.config, flags)
+    except ValidationError as exc:
+        lines = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        return _fail(f"bad run config: {lines}")
+    except ValueError as exc:
+        return _fail(str(exc))
+    try:
+        resp = httpx.post(f"{args.coordinator}/api/v1/runs", json=json.loads(cfg.model_dump_json()),
+                          headers=_admin_headers(args.admin_token), timeout=600)
+    except httpx.TransportError as exc:
+        return _fail(f"cannot reach the coordinator at {args.coordinator} ({exc}); is it running?")
+    if resp.status_code != 201:
+        return _fail(f"coordinator refused the run ({resp.status_code}): {_error_detail(resp)}")
+    print(json.dumps(resp.json(), indent=2))
+    return 0
+
+
+def format_status(st: dict) -> str:
+    hist = st["eval_history"]
+    first = f"{hist[0]['loss']:.3f}" if hist else "-"
+    last = f"{hist[-1]['loss']:.3f}" if hist else "-"
+    ratio = st.get("traffic_ratio_vs_dense")
+    return (f"run {st['name']} [{st['state']}] version {st['version']}: {st['merged_deltas']} merged, "
+            f"{st['pending_deltas']} queued, {st['rejected_deltas']} rejected | workers {st['workers_active']} active "
+            f"/ {st['workers_total']} | tokens {st['tokens_trained']:,} | eval loss {first} -> {last} | "
+            f"up {st['bytes_up'] / 1e6:.1f} MB, down {st['bytes_down'] / 1e6:.1f} MB"
+            + (f" | {ratio:.0f}x less traffic than dense" if ratio else ""))
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    try:
+        resp = httpx.get(f"{args.coordinator}/api/v1/runs/{args.run}/status", timeout=30)
+    except httpx.TransportError as exc:
+        return _fail(f"cannot reach the coordinator at {args.coordinator} ({exc}); is it running?")
+    if resp.status_code != 200:
+        return _fail(f"{resp.status_code}: {_error_detail(resp)}")
+    print(json.dumps(resp.json(), indent=2) if args.json else format_status(resp.json()))
+    return 0
+
+
+# -- worker -----------------------------------------------------------------------------------
+
+def cmd_worker_run(args: argparse.Namespace) -> int:
+    from worker.loop import run_worker
+    from worker.settings import WorkerSettings
+
+    fields = {"coordinator": args.coordinator, "run": args.run, "token": args.token, "device": args.device,
+              "threads": args.threads, "state_dir": args.state_dir, "name": args.name, "team": args.team,
+              "join_key": args.join_key, "max_rounds": args.max_rounds}
+    try:
+        settings = WorkerSettings(**{k: v for k, v in fields.items() if v is not None})
+    except ValidationError as exc:
+        return _fail("; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()))
+    try:
+        rounds = run_worker(settings)
+    except KeyboardInterrupt:
+        log.warning("interrupted")
+        return 130
+    except httpx.TransportError as exc:
+        return _fail(f"cannot reach the coordinator at {settings.coordinator} ({exc}); is it running?")
+    except RuntimeError as exc:
+        return _fail(str(exc))
+    except Exception as exc:
+        from worker.client import CoordinatorError
+        if isinstance(exc, CoordinatorError):
+            return _fail(f"coordinator said {exc.status}: {exc.detail}")
+        raise
+    log.info("worker done: %d rounds delivered", rounds)
+    return 0
+
+
+# -- demo and bench ---------------------------------------------------------------------------
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from idletrain.demo import run_demo
+
+    return run_demo(workers=args.workers, minutes=args.minutes, as_json=args.json, keep=args.keep)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="idletrain", description="Train one model on many idle machines.")
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    sub = p.add_subparsers(dest="command", required=True)
+
+    coord = sub.add_parser("coordinator", help="run the coordinator").add_subparsers(dest="action", required=True)
+    serve = coord.add_parser("serve", help="serve the HTTP API and merge deltas")
+    serve.add_argument("--host", default=None, help="listen address (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=None, help="port (default 8000)")
+    serve.add_argument("--data-dir", default=None, help="blobs and the SQLite database (default ./idletrain-data)")
+    serve.add_argument("--database-url", default=None, help="SQLAlchemy URL (default: SQLite in the data dir)")
+    serve.add_argument("--admin-token", default=None, help="token for operator actions (required off loopback)")
+    serve.set_defaults(func=cmd_coordinator_serve)
+
+    run = sub.add_parser("run", help="manage training runs").add_subparsers(dest="action", required=True)
+    create = run.add_parser("create", help="create a training run")
+    create.add_argument("name")
+    create.add_argument("--coordinator", default="http://127.0.0.1:8000")
+    create.add_argument("--config", help="TOML file with RunConfig fields ([inner], [compression], [outer]…)")
+    create.add_argument("--admin-token", default=None)
+    for flag, _, typ, hlp in RUN_FLAGS:
+        create.add_argument(flag, type=typ, default=None, help=hlp)
+    create.set_defaults(func=cmd_run_create)
+
+    wk = sub.add_parser("worker", help="run a worker").add_subparsers(dest="action", required=True)
+    wrun = wk.add_parser("run", help="train for a run until Ctrl-C (once: finish the lease; twice: now)")
+    wrun.add_argument("--coordinator", required=True)
+    wrun.add_argument("--run", required=True)
+    wrun.add_argument("--token", default=None, help="worker token (default: register once, then reuse)")
+    wrun.add_argument("--join-key", default=None)
+    wrun.add_argument("--device", default=None, choices=["auto", "cpu", "cuda", "mps"])
+    wrun.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    wrun.add_argument("--state-dir", default=None, help="token and cache (default ~/.config/idletrain)")
+    wrun.add_argument("--name", default=None, help="contributor name for the leaderboard")
+    wrun.add_argument("--team", default=None)
+    wrun.add_argument("--max-rounds", type=int, default=None, help="stop after N delivered rounds")
+    wrun.set_defaults(func=cmd_worker_run)
+
+    st = sub.add_parser("status", help="print a run's progress")
+    st.add_argument("--coordinator", default="http://127.0.0.1:8000")
+    st.add_argument("--run", required=True)
+    st.add_argument("--json", action="store_true")
+    st.set_defaults(func=cmd_status)
+
+    demo = sub.add_parser("demo", help="a coordinator and local workers on this machine, over real HTTP")
+    demo.add_argument("--workers", type=int, default=3)
+    demo.add_argument("--minutes", type=float, default=3.0, help="training time (startup and summary add ~30 s)")
+    demo.add_argument("--json", action="store_true", help="end with the summary as one JSON line")
+    demo.add_argument("--keep", action="store_true", help="keep the temporary data dir")
+    demo.set_defaults(func=cmd_demo)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _setup_logging(args.log_level)
+    return args.func(args)

@@ -1,0 +1,11 @@
+"""Pure code both sides share (torch, numpy, pydantic and the standard library only).
+
+    model.py      ModelConfig + the transformer; param schema, get/set params, eval loss
+    data.py       corpus -> byte tokens -> shards (deterministic), held-out split, batches
+    config.py     RunConfig and its parts (InnerConfig, CompressionConfig, OuterConfig)
+    protocol.py   the JSON contract of /api/v1 and its version
+    codec/        the delta wire format (versioned envelope, index and value codecs)
+    snapshot.py   model snapshots: zstd(safetensors), checked on load
+    algorithms/   the math of a round: inner steps, compression + error feedback, merge rule
+    errors.py     the exception tree
+"""

@@ -1,0 +1,83 @@
+"""Turn a dense pseudo-gradient into a sparse, quantised Delta, with error feedback.
+
+With error feedback the worker adds last round's residual before selecting, and keeps
+whatever did not travel (unselected elements and quantisation error) for the next round, so
+   sent + new_residual == pseudo_gradient + old_residual   (exactly, up to float rounding).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Mapping
+
+import numpy as np
+import torch
+
+from shared.codec import Delta, Entry, IndexKind, ValueKind, seeded_indices
+from shared.codec.values import VALUE_CODECS
+from shared.config import CompressionConfig
+
+_VALUE_KINDS = {"fp32": ValueKind.FP32, "fp16": ValueKind.FP16, "int8": ValueKind.INT8, "int4": ValueKind.INT4}
+
+
+def tensor_seed(round_seed: int, name: str) -> int:
+    """A per-tensor 64-bit seed, so tensors of equal size do not share an index set."""
+    digest = hashlib.blake2b(f"{round_seed}:{name}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
+
+
+def k_for(numel: int, fraction: float) -> int:
+    return max(1, min(numel, math.ceil(numel * fraction)))
+
+
+def compress(tensors: Mapping[str, torch.Tensor], cfg: CompressionConfig, *, base_version: int,
+             round_seed: int) -> Delta:
+    """Select and quantise; returns the Delta as it will travel (before encoding)."""
+    value_kind = _VALUE_KINDS[cfg.values]
+    entries = []
+    for name, t in tensors.items():
+        flat = t.detach().reshape(-1).to(torch.float32).cpu().numpy()
+        numel = flat.size
+        if cfg.index == "dense":
+            entries.append(Entry(name, numel, IndexKind.DENSE, value_kind, flat.copy()))
+            continue
+        k = k_for(numel, cfg.fraction)
+        if cfg.index == "random":
+            seed = tensor_seed(round_seed, name)
+            idx = seeded_indices(seed, numel, k)
+            entries.append(Entry(name, numel, IndexKind.SEEDED, value_kind, flat[idx], idx, seed))
+        else:  # topk by magnitude; ties broken by torch's order, indices then sorted
+            idx = torch.topk(torch.from_numpy(np.abs(flat)), k, sorted=False).indices.numpy()
+            idx = np.sort(idx).astype(np.int64)
+            entries.append(Entry(name, numel, IndexKind.PACKED, value_kind, flat[idx], idx))
+    return Delta(base_version=base_version, entries=tuple(entries))
+
+
+def quantised(delta: Delta) -> Delta:
+    """The same delta with its values passed through their value codec (what the receiver sees)."""
+    out = []
+    for e in delta.entries:
+        codec = VALUE_CODECS[e.value_kind]
+        values, _ = codec.decode(memoryview(codec.encode(e.values)), e.k)
+        out.append(Entry(e.name, e.numel, e.index_kind, e.value_kind, values, e.indices, e.seed))
+    return Delta(base_version=delta.base_version, entries=tuple(out))
+
+
+def compress_with_feedback(pseudo_grad: Mapping[str, torch.Tensor], residual: Mapping[str, torch.Tensor] | None,
+                           cfg: CompressionConfig, *, base_version: int, round_seed: int,
+                           ) -> tuple[Delta, dict[str, torch.Tensor]]:
+    """(delta to send, residual to keep). Without error feedback the residual is empty."""
+    if cfg.error_feedback and residual:
+        target = {n: pseudo_grad[n] + residual[n] for n in pseudo_grad}
+    else:
+        target = dict(pseudo_grad)
+    delta = quantised(compress(target, cfg, base_version=base_version, round_seed=round_seed))
+    if not cfg.error_feedback:
+        return delta, {}
+    sent = delta_to_tensors(delta, {n: tuple(t.shape) for n, t in target.items()})
+    return delta, {n: target[n] - sent[n] for n in target}
+
+
+def delta_to_tensors(delta: Delta, schema: Mapping[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
+    return {n: torch.from_numpy(a) for n, a in delta.to_dense(schema).items()}

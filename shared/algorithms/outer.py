@@ -1,0 +1,99 @@
+"""The merge rule: how the coordinator folds one worker's delta into the global model.
+
+Outer SGD with delayed Nesterov momentum, applied one delta at a time (asynchronously):
+
+    each arriving delta g, weighted w = (1 + r)^-staleness_exponent where r is how many
+    rounds it lags (r = max(0, s - (G - 1)) / G for s versions behind, G = group):
+        theta -= lr / G * w g          (its share of the plain outer step, at once)
+        acc   += w g
+    after every G deltas (one momentum step per group, as in delayed Nesterov):
+        m      = mu m + acc / G
+        theta -= lr * mu * m           (Nesterov look-ahead; heavy-ball uses the old m)
+        acc    = 0
+
+When G deltas all start from the same version this is exactly DiLoCo's synchronous outer
+step (Nesterov SGD on the averaged pseudo-gradient); no delta ever waits for another.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+import numpy as np
+import torch
+
+from shared.codec import Delta
+from shared.config import OuterConfig
+
+
+def staleness_weight(staleness: int, cfg: OuterConfig) -> float:
+    """Weight of a delta `staleness` versions behind: 1 within one round of the group, then decays."""
+    if staleness < 0:
+        raise ValueError(f"staleness must be >= 0, got {staleness}")
+    rounds = max(0, staleness - (cfg.group - 1)) / cfg.group
+    return float((1.0 + rounds) ** -cfg.staleness_exponent)
+
+
+@dataclasses.dataclass
+class OuterState:
+    """Everything the merge rule keeps between deltas (checkpointed with the weights)."""
+
+    params: dict[str, torch.Tensor]  # the global model, fp32
+    momentum: dict[str, torch.Tensor]
+    accum: dict[str, torch.Tensor]
+    in_group: int = 0  # deltas folded into accum since the last momentum step
+
+    @classmethod
+    def fresh(cls, params: Mapping[str, torch.Tensor]) -> OuterState:
+        p = {n: t.detach().to(torch.float32, copy=True) for n, t in params.items()}
+        return cls(params=p, momentum={n: torch.zeros_like(t) for n, t in p.items()},
+                   accum={n: torch.zeros_like(t) for n, t in p.items()})
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Flat name -> tensor map for checkpointing (the counter travels separately)."""
+        out = {f"params/{n}": t for n, t in self.params.items()}
+        out.update({f"momentum/{n}": t for n, t in self.momentum.items()})
+        out.update({f"accum/{n}": t for n, t in self.accum.items()})
+        return out
+
+    @classmethod
+    def from_tensors(cls, tensors: Mapping[str, torch.Tensor], *, in_group: int) -> OuterState:
+        parts: dict[str, dict[str, torch.Tensor]] = {"params": {}, "momentum": {}, "accum": {}}
+        for key, t in tensors.items():
+            kind, _, name = key.partition("/")
+            parts[kind][name] = t.to(torch.float32)
+        return cls(params=parts["params"], momentum=parts["momentum"], accum=parts["accum"], in_group=in_group)
+
+
+def apply_delta(state: OuterState, delta: Delta, *, weight: float, cfg: OuterConfig) -> None:
+    """Fold one decoded delta into `state` in place (see the module docstring)."""
+    share = cfg.lr / cfg.group
+    for e in delta.entries:
+        vals = torch.from_numpy(np.asarray(e.values, dtype=np.float32)) * weight
+        theta = state.params[e.name].view(-1)
+        acc = state.accum[e.name].view(-1)
+        if e.indices is None:
+            theta.sub_(vals, alpha=share)
+            acc.add_(vals)
+        else:
+            idx = torch.from_numpy(e.indices)
+            theta.index_add_(0, idx, vals, alpha=-share)
+            acc.index_add_(0, idx, vals)
+    state.in_group += 1
+    if state.in_group >= cfg.group:
+        _momentum_step(state, cfg)
+
+
+def _momentum_step(state: OuterState, cfg: OuterConfig) -> None:
+    mu = cfg.momentum
+    for name, theta in state.params.items():
+        m, acc = state.momentum[name], state.accum[name]
+        if cfg.nesterov:
+            m.mul_(mu).add_(acc, alpha=1.0 / cfg.group)
+            theta.sub_(m, alpha=cfg.lr * mu)
+        else:
+            theta.sub_(m, alpha=cfg.lr * mu)
+            m.mul_(mu).add_(acc, alpha=1.0 / cfg.group)
+        acc.zero_()
+    state.in_group = 0

@@ -1,0 +1,181 @@
+"""The delta wire format: a versioned envelope around a zstd frame of entries.
+
+    offset size  field
+    0      4     magic b"IDTD"
+    4      1     format version (FORMAT_VERSION)
+    5      3     reserved, zero
+    8      8     declared size of the decompressed body, u64 little-endian
+    16     ...   one zstd frame (with content checksum) holding the body:
+
+    body:  u64 base_version | u32 n_entries | entries
+    entry: u16 name_len | name (utf-8) | u8 IndexKind | u8 ValueKind | u64 numel | u64 k
+           | index section (indices.py) | value section (values.py)
+
+Decoding is bounded: the declared size is checked against the caller's cap before any
+decompression, decompression stops at the declared size, and every field is checked against
+the model schema (names, numel, index ranges, finite values). Bytes from a volunteer are
+untrusted; nothing here uses pickle.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import math
+import struct
+from collections.abc import Mapping
+
+import numpy as np
+import zstandard
+
+from shared.codec.indices import INDEX_CODECS, IndexKind
+from shared.codec.values import VALUE_CODECS, ValueKind
+from shared.errors import DeltaFormatError, DeltaMismatchError
+
+MAGIC = b"IDTD"
+FORMAT_VERSION = 1
+HEADER = struct.Struct("<4sB3xQ")  # magic, version, reserved, declared body size
+MAX_NAME_BYTES = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """The part of one tensor a delta carries (flattened view)."""
+
+    name: str
+    numel: int
+    index_kind: IndexKind
+    value_kind: ValueKind
+    values: np.ndarray  # (k,) float32
+    indices: np.ndarray | None = None  # (k,) int64 ascending; None = all numel elements
+    seed: int | None = None  # SEEDED entries only
+
+    @property
+    def k(self) -> int:
+        return int(self.values.size)
+
+
+@dataclasses.dataclass(frozen=True)
+class Delta:
+    base_version: int
+    entries: tuple[Entry, ...]
+
+    def to_dense(self, schema: Mapping[str, tuple[int, ...]]) -> dict[str, np.ndarray]:
+        """Every schema tensor as a dense float32 array, zero where the delta carries nothing."""
+        out = {name: np.zeros(math.prod(shape), dtype=np.float32) for name, shape in schema.items()}
+        for e in self.entries:
+            if e.indices is None:
+                out[e.name][:] = e.values
+            else:
+                out[e.name][e.indices] = e.values
+        return {name: out[name].reshape(shape) for name, shape in schema.items()}
+
+
+def encode(delta: Delta, *, level: int = 3) -> bytes:
+    """Delta -> envelope bytes. Raises ValueError on a delta that cannot be encoded."""
+    body = io.BytesIO()
+    body.write(struct.pack("<QI", delta.base_version, len(delta.entries)))
+    for e in delta.entries:
+        name = e.name.encode()
+        if not 0 < len(name) <= MAX_NAME_BYTES:
+            raise ValueError(f"tensor name {e.name!r} must be 1..{MAX_NAME_BYTES} bytes of utf-8")
+        values = np.asarray(e.values, dtype=np.float32).reshape(-1)
+        if not np.all(np.isfinite(values)):
+            raise ValueError(f"{e.name}: refusing to encode NaN or Inf")
+        body.write(struct.pack("<H", len(name)) + name)
+        body.write(struct.pack("<BBQQ", e.index_kind, e.value_kind, e.numel, values.size))
+        body.write(INDEX_CODECS[e.index_kind].encode(e.indices, numel=e.numel, seed=e.seed))
+        body.write(VALUE_CODECS[e.value_kind].encode(values))
+    raw = body.getvalue()
+    frame = zstandard.ZstdCompressor(level=level, write_checksum=True).compress(raw)
+    return HEADER.pack(MAGIC, FORMAT_VERSION, len(raw)) + frame
+
+
+def max_body_bytes(schema: Mapping[str, tuple[int, ...]]) -> int:
+    """The largest body a legitimate delta for this schema can have (every tensor, dense fp32)."""
+    per_entry = 2 + MAX_NAME_BYTES + 18 + 9
+    return 12 + sum(per_entry + 4 * math.prod(shape) for shape in schema.values())
+
+
+def decode(buf: bytes, *, schema: Mapping[str, tuple[int, ...]], max_body: int | None = None) -> Delta:
+    """Envelope bytes -> Delta, checked against `schema` (name -> shape). Raises DeltaFormatError."""
+    cap = max_body_bytes(schema) if max_body is None else max_body
+    if len(buf) < HEADER.size:
+        raise DeltaFormatError(f"delta of {len(buf)} bytes is shorter than its {HEADER.size}-byte header")
+    magic, version, declared = HEADER.unpack_from(buf)
+    if magic != MAGIC:
+        raise DeltaFormatError("not an idletrain delta (bad magic bytes)")
+    if version != FORMAT_VERSION:
+        raise DeltaFormatError(f"unsupported delta format version {version} (this side speaks {FORMAT_VERSION})")
+    if declared > cap:
+        raise DeltaFormatError(f"declared body of {declared} bytes exceeds the cap of {cap} bytes")
+    raw = _decompress(memoryview(buf)[HEADER.size:], declared)
+    return _parse_body(memoryview(raw), schema)
+
+
+def _decompress(frame: memoryview, declared: int) -> bytes:
+    try:
+        params = zstandard.get_frame_parameters(frame)
+    except zstandard.ZstdError as exc:
+        raise DeltaFormatError(f"not a zstd frame: {exc}") from None
+    if params.content_size not in (zstandard.CONTENTSIZE_UNKNOWN, declared):
+        raise DeltaFormatError(f"zstd frame says {params.content_size} bytes, header says {declared}")
+    reader = zstandard.ZstdDecompressor().stream_reader(frame, read_across_frames=False)
+    try:
+        raw = reader.read(declared + 1)  # never more than one byte past the declared size
+        # A frame can end before its checksum is verified; read to the end to check it.
+        tail = reader.read(1) if len(raw) == declared else b""
+    except zstandard.ZstdError as exc:
+        raise DeltaFormatError(f"corrupt zstd frame: {exc}") from None
+    if len(raw) != declared or tail:
+        raise DeltaFormatError(f"body decompresses to a size other than the declared {declared} bytes")
+    return raw
+
+
+def _parse_body(raw: memoryview, schema: Mapping[str, tuple[int, ...]]) -> Delta:
+    pos = 0
+
+    def take(n: int, what: str) -> memoryview:
+        nonlocal pos
+        if pos + n > len(raw):
+            raise DeltaFormatError(f"truncated body while reading {what}")
+        out = raw[pos:pos + n]
+        pos += n
+        return out
+
+    base_version, n_entries = struct.unpack("<QI", take(12, "the body header"))
+    if n_entries > len(schema):
+        raise DeltaMismatchError(f"{n_entries} entries but the model has only {len(schema)} tensors")
+    entries: list[Entry] = []
+    seen: set[str] = set()
+    for _ in range(n_entries):
+        (name_len,) = struct.unpack("<H", take(2, "a name length"))
+        if not 0 < name_len <= MAX_NAME_BYTES:
+            raise DeltaFormatError(f"tensor name length {name_len} outside 1..{MAX_NAME_BYTES}")
+        try:
+            name = bytes(take(name_len, "a tensor name")).decode()
+        except UnicodeDecodeError:
+            raise DeltaFormatError("tensor name is not utf-8") from None
+        if name not in schema:
+            raise DeltaMismatchError(f"unknown tensor {name!r}")
+        if name in seen:
+            raise DeltaMismatchError(f"tensor {name!r} appears twice")
+        seen.add(name)
+        ik, vk, numel, k = struct.unpack("<BBQQ", take(18, f"the header of {name}"))
+        try:
+            index_kind, value_kind = IndexKind(ik), ValueKind(vk)
+        except ValueError:
+            raise DeltaFormatError(f"{name}: unknown codec (index kind {ik}, value kind {vk})") from None
+        expected = math.prod(schema[name])
+        if numel != expected:
+            raise DeltaMismatchError(f"{name}: numel {numel} but the model's tensor {schema[name]} has {expected}")
+        if not 0 < k <= numel:
+            raise DeltaMismatchError(f"{name}: carries {k} values, must be 1..{numel}")
+        indices, seed, used = INDEX_CODECS[index_kind].decode(raw[pos:], numel=numel, k=k)
+        pos += used
+        values, used = VALUE_CODECS[value_kind].decode(raw[pos:], k)
+        pos += used
+        entries.append(Entry(name, numel, index_kind, value_kind, values, indices, seed))
+    if pos != len(raw):
+        raise DeltaFormatError(f"{len(raw) - pos} unexpected bytes after the last entry")
+    return Delta(base_version=base_version, entries=tuple(entries))

@@ -1,0 +1,98 @@
+"""A training run's knobs: validated once, travel as JSON between coordinator and worker.
+
+`RunConfig` is what `idletrain run create` sends; a lease carries the `InnerConfig` and
+`CompressionConfig` a worker needs for one round.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from shared.data import BUILTIN
+from shared.model import ModelConfig
+
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class InnerConfig(_Strict):
+    """The worker's local optimisation in one round (DiLoCo's inner loop)."""
+
+    steps: int = Field(100, ge=1, le=100_000, description="H: local AdamW steps per round")
+    batch_size: int = Field(16, ge=1, le=4096, description="sequences per local step")
+    lr: float = Field(2e-3, gt=0, le=1.0, description="peak inner learning rate")
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="cosine floor, as a fraction of lr")
+    warmup_steps: int = Field(50, ge=0, le=100_000, description="each worker's first local steps ramp up")
+    weight_decay: float = Field(0.1, ge=0, le=1)
+    grad_clip: float = Field(1.0, ge=0, description="global grad-norm clip; 0 disables")
+    beta1: float = Field(0.9, ge=0, lt=1)
+    beta2: float = Field(0.95, ge=0, lt=1)
+
+
+class CompressionConfig(_Strict):
+    """How a pseudo-gradient is cut down before it travels."""
+
+    index: Literal["dense", "random", "topk"] = Field(
+        "topk", description="dense: everything; random: a seeded subset (only the seed travels); "
+                            "topk: the largest-magnitude fraction (packed indices travel)")
+    fraction: float = Field(0.1, gt=0, le=1, description="share of each tensor's elements sent")
+    values: Literal["fp32", "fp16", "int8", "int4"] = "int8"
+    error_feedback: bool = Field(True, description="keep what was not sent and add it to the next round")
+
+    @model_validator(mode="after")
+    def _dense_is_whole(self) -> CompressionConfig:
+        if self.index == "dense" and self.fraction != 1.0:
+            raise ValueError("index='dense' sends every element: set fraction=1.0 or pick 'topk'/'random'")
+        return self
+
+
+class OuterConfig(_Strict):
+    """The coordinator's merge rule: outer SGD with (delayed) Nesterov momentum."""
+
+    lr: float = Field(0.7, gt=0, le=10, description="outer learning rate (DiLoCo: 0.7)")
+    momentum: float = Field(0.9, ge=0, lt=1, description="outer momentum (DiLoCo: 0.9)")
+    nesterov: bool = True
+    group: int = Field(4, ge=1, le=100_000,
+                       description="deltas per momentum step; set it near the number of workers")
+    staleness_exponent: float = Field(0.5, ge=0, le=4,
+                                      description="a delta lagging r rounds is weighted (1+r)^-exponent")
+    max_staleness: int = Field(1000, ge=0, description="versions a delta may lag before it is refused")
+
+
+class RunConfig(_Strict):
+    name: str = Field(pattern=NAME_PATTERN)
+    algorithm: Literal["diloco"] = "diloco"
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    corpus: str = Field(BUILTIN, description=f"{BUILTIN!r}, or a text file/folder on the coordinator's disk")
+    corpus_max_bytes: int = Field(16 << 20, ge=1 << 16, le=1 << 36)
+    shard_tokens: int = Field(1 << 18, ge=1024, le=1 << 30, description="tokens per data shard")
+    lease_ttl_s: float = Field(600.0, gt=0, le=7 * 86400, description="a lease expires after this")
+    eval_every: int = Field(5, ge=1, description="evaluate the global model every N versions")
+    eval_tokens: int = Field(1 << 17, ge=1024, description="held-out tokens used per evaluation")
+    schedule_tokens: int = Field(
+        200_000_000, ge=1, description="tokens over which the inner lr decays (cosine) to its floor")
+    seed: int = Field(0, ge=0, lt=2**63)
+    join_key: str | None = Field(None, min_length=8, max_length=256,
+                                 description="if set, workers must present it to register")
+    inner: InnerConfig = Field(default_factory=InnerConfig)
+    compression: CompressionConfig = Field(default_factory=CompressionConfig)
+    outer: OuterConfig = Field(default_factory=OuterConfig)
+
+    @field_validator("model", mode="before")
+    @classmethod
+    def _model_from_dict(cls, v):
+        try:
+            return ModelConfig.from_dict(v) if isinstance(v, dict) else v
+        except (TypeError, ValueError) as exc:
+            raise ValueError(str(exc)) from None
+
+    @model_validator(mode="after")
+    def _fits(self) -> RunConfig:
+        if self.shard_tokens < self.model.context + 1:
+            raise ValueError(f"shard_tokens ({self.shard_tokens}) must exceed the context ({self.model.context})")
+        return self

@@ -1,0 +1,116 @@
+"""The JSON contract between coordinator and worker (bodies of /api/v1). Bump API_VERSION on
+any incompatible change; the coordinator reports it at /healthz and workers check it."""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from shared.config import NAME_PATTERN, CompressionConfig, InnerConfig, RunConfig
+
+API_VERSION = 1
+API_PREFIX = "/api/v1"
+
+# Custom headers on binary answers and uploads.
+H_SHA256 = "X-Content-SHA256"  # hex SHA-256 of the body as sent
+H_VERSION = "X-Model-Version"
+H_BASE_VERSION = "X-Base-Version"
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Health(_Body):
+    status: str = "ok"
+    api_version: int = API_VERSION
+
+
+class RegisterRequest(_Body):
+    name: str | None = Field(None, max_length=64, description="contributor name shown on the leaderboard")
+    team: str | None = Field(None, max_length=64)
+    device: str | None = Field(None, max_length=64, description="cpu, cuda, mps…")
+    join_key: str | None = Field(None, max_length=256)
+
+
+class RegisterResponse(_Body):
+    worker_id: int
+    token: str = Field(description="bearer token; shown once, stored hashed by the coordinator")
+
+
+class RunCreated(_Body):
+    name: str
+    n_shards: int
+    n_params: int
+    train_tokens: int
+    eval_tokens: int
+
+
+class Lease(_Body):
+    lease_id: int
+    run: str
+    shard_id: int
+    shard_sha256: str
+    base_version: int
+    seed: int = Field(description="seeds this round's sampling and random index selection")
+    lr: float = Field(description="inner learning rate for this round (already scheduled)")
+    inner: InnerConfig
+    compression: CompressionConfig
+    model: dict
+    deadline: datetime
+
+
+class DeltaAccepted(_Body):
+    lease_id: int
+    delta_id: int
+    will_merge_into: int = Field(description="the model version this delta becomes part of")
+    duplicate: bool = False
+
+
+class EvalPoint(_Body):
+    version: int
+    loss: float
+    tokens_trained: int
+    at: datetime
+
+
+class RunStatus(_Body):
+    name: str = Field(pattern=NAME_PATTERN)
+    state: str
+    algorithm: str
+    version: int
+    merged_deltas: int
+    pending_deltas: int
+    rejected_deltas: int
+    eval_loss: float | None
+    eval_history: list[EvalPoint]
+    workers_active: int
+    workers_total: int
+    tokens_trained: int
+    worker_steps: int
+    bytes_up: int
+    bytes_down: int
+    bytes_down_model: int
+    bytes_down_data: int
+    dense_equivalent_bytes: int = Field(
+        description="bytes data-parallel training of the same tokens would move: dense fp32 "
+                    "gradients up and down for every local step")
+    traffic_ratio_vs_dense: float | None
+    n_params: int
+    shards_total: int
+    shards_done: int
+    epoch: int
+
+
+class RunSummary(_Body):
+    name: str
+    state: str
+    version: int
+    created_at: datetime
+
+
+__all__ = [
+    "API_PREFIX", "API_VERSION", "DeltaAccepted", "EvalPoint", "H_BASE_VERSION", "H_SHA256", "H_VERSION",
+    "Health", "Lease", "RegisterRequest", "RegisterResponse", "RunConfig", "RunCreated", "RunStatus", "RunSummary",
+]

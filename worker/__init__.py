@@ -1,0 +1,8 @@
+"""The volunteer's worker: pulls work, trains locally (CPU, CUDA or MPS), pushes deltas.
+It only ever connects outward.
+
+    settings.py  WorkerSettings (flags, IDLETRAIN_WORKER_* variables)
+    client.py    CoordinatorClient: the only module that speaks HTTP (httpx)
+    trainer.py   LocalTrainer: one round of local steps -> encoded delta (no network); device pick
+    loop.py      Worker: lease -> snapshot -> shard -> train -> push; token store, shard cache, Ctrl-C
+"""

@@ -1,0 +1,132 @@
+"""The HTTP client: the only module of the worker that touches the network (httpx).
+
+Every answer from the coordinator is checked: hashes of snapshots and shards, sizes, and
+the snapshot's contents (safetensors, never pickle). Network errors and 5xx answers are
+retried with exponential backoff and jitter.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import random
+import time
+
+import httpx
+import zstandard
+
+from shared import protocol
+
+log = logging.getLogger(__name__)
+
+
+class CoordinatorError(Exception):
+    """The coordinator answered with an error; `detail` says why."""
+
+    def __init__(self, status: int, detail: str) -> None:
+        super().__init__(f"{status}: {detail}")
+        self.status = status
+        self.detail = detail
+
+
+class IntegrityError(Exception):
+    """A download does not match its announced hash or size."""
+
+
+class CoordinatorClient:
+    def __init__(self, base_url: str, *, token: str | None = None, timeout_s: float = 60.0, max_retries: int = 8,
+                 transport: httpx.BaseTransport | None = None, max_download_bytes: int = 1 << 31) -> None:
+        self.token = token
+        self.max_retries = max_retries
+        self.max_download_bytes = max_download_bytes
+        self.bytes_up = 0
+        self.bytes_down = 0
+        self._http = httpx.Client(base_url=base_url, timeout=timeout_s, transport=transport,
+                                  headers={"User-Agent": f"idletrain-worker/api{protocol.API_VERSION}"})
+
+    def close(self) -> None:
+        self._http.close()
+
+    def _request(self, method: str, url: str, **kw) -> httpx.Response:
+        headers = kw.pop("headers", {})
+        if self.token:
+            headers["Authorization"] = f"Bearer {self.token}"
+        for attempt in range(self.max_retries + 1):
+            try:
+                resp = self._http.request(method, url, headers=headers, **kw)
+            except httpx.TransportError as exc:
+                if attempt == self.max_retries:
+                    raise
+                self._backoff(attempt, f"{method} {url}: {exc!r}")
+                continue
+            if resp.status_code >= 500 and attempt < self.max_retries:
+                self._backoff(attempt, f"{method} {url}: HTTP {resp.status_code}")
+                continue
+            if resp.status_code >= 400:
+                try:
+                    detail = resp.json().get("detail", resp.text)
+                except ValueError:
+                    detail = resp.text
+                raise CoordinatorError(resp.status_code, str(detail))
+            return resp
+        raise AssertionError("unreachable")
+
+    @staticmethod
+    def _backoff(attempt: int, why: str) -> None:
+        delay = min(60.0, 0.5 * 2 ** attempt) * (0.5 + random.random())  # full jitter around the step
+        log.warning("%s; retrying in %.1fs", why, delay)
+        time.sleep(delay)
+
+    # -- API ------------------------------------------------------------------------------------
+
+    def health(self) -> protocol.Health:
+        return protocol.Health.model_validate(self._request("GET", "/healthz").json())
+
+    def register(self, run: str, req: protocol.RegisterRequest) -> protocol.RegisterResponse:
+        resp = self._request("POST", f"{protocol.API_PREFIX}/runs/{run}/workers", json=req.model_dump())
+        return protocol.RegisterResponse.model_validate(resp.json())
+
+    def lease(self, run: str) -> tuple[protocol.Lease | None, float]:
+        """(lease, 0) or (None, seconds to wait) when there is no work right now."""
+        resp = self._request("POST", f"{protocol.API_PREFIX}/runs/{run}/leases")
+        if resp.status_code == 204:
+            try:
+                return None, float(resp.headers.get("Retry-After", "2"))
+            except ValueError:
+                return None, 2.0
+        return protocol.Lease.model_validate(resp.json()), 0.0
+
+    def _download(self, url: str) -> httpx.Response:
+        resp = self._request("GET", url)
+        if len(resp.content) > self.max_download_bytes:
+            raise IntegrityError(f"{url}: {len(resp.content)} bytes exceeds the download cap")
+        self.bytes_down += len(resp.content)
+        return resp
+
+    def snapshot(self, run: str, version: int | str) -> tuple[bytes, int]:
+        """(zstd safetensors bytes, version); the body's hash is checked against its header."""
+        resp = self._download(f"{protocol.API_PREFIX}/runs/{run}/snapshots/{version}")
+        sha = resp.headers.get(protocol.H_SHA256, "")
+        if hashlib.sha256(resp.content).hexdigest() != sha:
+            raise IntegrityError(f"snapshot {version} does not match its announced SHA-256")
+        return resp.content, int(resp.headers[protocol.H_VERSION])
+
+    def shard(self, run: str, index: int, *, expected_sha256: str, max_tokens: int = 1 << 30) -> bytes:
+        """The raw uint8 tokens of a shard, checked against the hash the lease announced."""
+        resp = self._download(f"{protocol.API_PREFIX}/runs/{run}/shards/{index}")
+        try:
+            raw = zstandard.ZstdDecompressor().stream_reader(resp.content).read(max_tokens + 1)
+        except zstandard.ZstdError as exc:
+            raise IntegrityError(f"shard {index} is not valid zstd: {exc}") from None
+        if len(raw) > max_tokens or hashlib.sha256(raw).hexdigest() != expected_sha256:
+            raise IntegrityError(f"shard {index} does not match its announced SHA-256")
+        return raw
+
+    def upload_delta(self, lease_id: int, body: bytes) -> protocol.DeltaAccepted:
+        resp = self._request("POST", f"{protocol.API_PREFIX}/leases/{lease_id}/delta", content=body,
+                             headers={"Content-Type": "application/octet-stream"})
+        self.bytes_up += len(body)
+        return protocol.DeltaAccepted.model_validate(resp.json())
+
+    def status(self, run: str) -> protocol.RunStatus:
+        return protocol.RunStatus.model_validate(self._request("GET", f"{protocol.API_PREFIX}/runs/{run}/status").json())
