@@ -92,8 +92,12 @@ class RunRuntime:
 
     # -- merging and evaluation ----------------------------------------------------------------
 
-    def merge(self, *, seq: int, base_version: int) -> MergeOutcome:
-        """Process the delta stored as `seq` (which must be version + 1) and write its snapshot."""
+    def merge(self, *, seq: int, base_version: int, write_snapshot: bool = True) -> MergeOutcome:
+        """Process the delta stored as `seq` (which must be version + 1) and write its snapshot.
+
+        Replay on restart passes write_snapshot=False: those versions already have their snapshot
+        files and recorded hashes, and re-encoding does not reproduce the same bytes (safetensors
+        orders the metadata keys arbitrarily), so rewriting them would break the served hashes."""
         if seq != self.version + 1:
             raise RuntimeError(f"merge order broken: next version is {self.version + 1}, got seq {seq}")
         staleness = self.version - base_version
@@ -112,7 +116,7 @@ class RunRuntime:
             except (OSError, DeltaFormatError) as exc:
                 reason = f"stored delta unreadable: {exc}"
         self.version = seq
-        sha, size = self.write_snapshot()
+        sha, size = self.write_snapshot() if write_snapshot else ("", 0)
         return MergeOutcome(seq, reason is None, staleness, weight, reason, sha, size)
 
     def eval_tokens(self) -> torch.Tensor:

@@ -70,8 +70,11 @@ class Coordinator:
             shards = cut_shards(corpus.train, cfg.shard_tokens)
         except ValueError as exc:
             raise Unprocessable(str(exc)) from None
-        if corpus.eval.size < cfg.model.context + 1:
-            raise Unprocessable(f"the corpus's held-out split ({corpus.eval.size} bytes) is shorter than one context")
+        eval_used = min(corpus.eval.size, cfg.eval_tokens)  # what evaluation reads (RunRuntime.eval_tokens)
+        if eval_used < cfg.model.context + 1:
+            raise Unprocessable(f"evaluation would read {eval_used} held-out bytes (the corpus holds out "
+                                f"{corpus.eval.size}, eval_tokens is {cfg.eval_tokens}): fewer than one context "
+                                f"of {cfg.model.context} + 1")
         n_params = count_params(build_model(cfg.model, seed=cfg.seed))
         with self.sessions() as s:
             run = Run(name=cfg.name, config_json=cfg.model_dump_json(), n_params=n_params,
@@ -117,8 +120,8 @@ class Coordinator:
                 todo = s.scalars(select(DeltaRecord).where(
                     DeltaRecord.run_id == run.id, DeltaRecord.seq > rt.version,
                     DeltaRecord.seq <= run.version).order_by(DeltaRecord.seq)).all()
-            for rec in todo:
-                rt.merge(seq=rec.seq, base_version=rec.base_version)
+            for rec in todo:  # versions already recorded, snapshots already on disk: rebuild the state only
+                rt.merge(seq=rec.seq, base_version=rec.base_version, write_snapshot=False)
             if todo:
                 rt.write_checkpoint()
             log.info("run %s resumed at version %d (%d deltas replayed)", run.name, rt.version, len(todo))
@@ -233,7 +236,9 @@ class Coordinator:
 
     # -- blobs --------------------------------------------------------------------------------
 
-    def snapshot(self, run_name: str, version: str | int) -> tuple[bytes, int, str]:
+    def snapshot(self, run_name: str, version: str | int, *,
+                 if_none_match: str | None = None) -> tuple[bytes | None, int, str]:
+        """(blob, version, sha256); blob is None when `if_none_match` is the current ETag (nothing sent or counted)."""
         with self.sessions() as s:
             run = self._run(s, run_name)
             v = run.version if version == "latest" else int(version)
@@ -242,6 +247,8 @@ class Coordinator:
                 if 0 <= v <= run.version:
                     raise Gone(f"version {v} is no longer kept; fetch snapshots/latest")
                 raise NotFound(f"run {run_name!r} has no version {v} (latest is {run.version})")
+            if if_none_match == f'"{row.sha256}"':
+                return None, v, row.sha256
             try:
                 blob = self.storage.snapshot(run.id, v).read_bytes()
             except FileNotFoundError:

@@ -64,8 +64,10 @@ def load_corpus(source: str = BUILTIN, *, max_bytes: int = 16 << 20) -> Corpus:
     eval_parts: list[bytes] = []
     total = 0
     for i, path in enumerate(keyed):
-        if total >= max_bytes:
+        if total >= max_bytes and (eval_parts or i >= HELD_OUT_EVERY):
             break
+        if total >= max_bytes and i % HELD_OUT_EVERY != HELD_OUT_EVERY - 1:
+            continue  # over the cap: skip ahead to the first held-out file so eval is never empty
         try:
             blob = path.read_bytes()
         except OSError:

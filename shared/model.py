@@ -27,7 +27,7 @@ class ModelConfig:
     def __post_init__(self) -> None:
         for field in ("vocab_size", "n_layer", "n_head", "d_model", "context"):
             value = getattr(self, field)
-            if not isinstance(value, int) or value < 1:
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"ModelConfig.{field} must be a positive integer, got {value!r}")
         if self.d_model % self.n_head:
             raise ValueError(
@@ -146,9 +146,10 @@ def set_params(model: nn.Module, params: Mapping[str, torch.Tensor]) -> None:
     if set(own) != set(params):
         missing, extra = sorted(set(own) - set(params)), sorted(set(params) - set(own))
         raise ValueError(f"parameter names differ: missing {missing[:5]}, unexpected {extra[:5]}")
-    for name, p in own.items():
+    for name, p in own.items():  # check everything before changing anything
         if tuple(params[name].shape) != tuple(p.shape):
             raise ValueError(f"{name}: shape {tuple(params[name].shape)} != model {tuple(p.shape)}")
+    for name, p in own.items():
         p.copy_(params[name])
 
 

@@ -19,7 +19,10 @@ from shared.errors import SnapshotError
 def encode_snapshot(params: Mapping[str, torch.Tensor], *, metadata: Mapping[str, str] | None = None,
                     level: int = 3) -> bytes:
     tensors = {n: t.detach().to("cpu", torch.float32).contiguous() for n, t in params.items()}
-    raw = safetensors.torch.save(tensors, metadata=dict(metadata or {}))
+    # safetensors writes a metadata map in arbitrary order; one key holding sorted JSON keeps
+    # the bytes (and so the snapshot's hash) a pure function of its contents.
+    meta = {"idletrain": json.dumps(dict(metadata or {}), sort_keys=True)}
+    raw = safetensors.torch.save(tensors, metadata=meta)
     return zstandard.ZstdCompressor(level=level, write_checksum=True, write_content_size=True).compress(raw)
 
 
@@ -37,14 +40,21 @@ def decode_snapshot(buf: bytes, *, schema: Mapping[str, tuple[int, ...]] | None 
     try:
         reader = zstandard.ZstdDecompressor().stream_reader(buf, read_across_frames=False)
         raw = reader.read(cap + 1)
+        if len(raw) > cap:
+            raise SnapshotError(f"snapshot decompresses past the cap of {cap} bytes")
+        # The reader stops quietly at the end of its input, even mid-frame; a second pass, now
+        # known to be bounded, insists on the frame's end mark and checksum.
+        dobj = zstandard.ZstdDecompressor().decompressobj()
+        dobj.decompress(buf)
+        if not dobj.eof:
+            raise SnapshotError("snapshot is truncated: its zstd frame ends early")
     except zstandard.ZstdError as exc:
         raise SnapshotError(f"snapshot is not a valid zstd frame: {exc}") from None
-    if len(raw) > cap:
-        raise SnapshotError(f"snapshot decompresses past the cap of {cap} bytes")
     try:
         tensors = safetensors.torch.load(raw)
         header_len = int.from_bytes(raw[:8], "little")
-        metadata = json.loads(raw[8:8 + header_len]).get("__metadata__", {}) or {}
+        outer = json.loads(raw[8:8 + header_len]).get("__metadata__", {}) or {}
+        metadata = json.loads(outer["idletrain"]) if "idletrain" in outer else outer
     except Exception as exc:  # safetensors raises its own error types for any malformed header
         raise SnapshotError(f"snapshot is not valid safetensors: {exc}") from None
     if schema is not None:

@@ -22,12 +22,13 @@ async def snapshot(run: str, request: Request, coord: CoordinatorDep,
     """The model at `version` (or `latest`) as zstd-compressed safetensors."""
     if version != "latest" and not version.isdigit():
         raise Unprocessable("version must be a number or 'latest'")
-    blob, v, sha = await run_in_threadpool(coord.snapshot, run, version)
+    blob, v, sha = await run_in_threadpool(coord.snapshot, run, version,
+                                           if_none_match=request.headers.get("if-none-match"))
     etag = f'"{sha}"'
     headers = {protocol.H_SHA256: sha, protocol.H_VERSION: str(v), "ETag": etag}
     # A numbered version never changes; `latest` moves with every merge.
     headers["Cache-Control"] = "no-cache" if version == "latest" else "public, max-age=31536000, immutable"
-    if request.headers.get("if-none-match") == etag:
+    if blob is None:  # If-None-Match names this version: the client's copy is current (and nothing is counted)
         return Response(status_code=304, headers=headers)
     return Response(blob, media_type="application/octet-stream", headers=headers)
 

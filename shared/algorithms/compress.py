@@ -28,7 +28,9 @@ def tensor_seed(round_seed: int, name: str) -> int:
 
 
 def k_for(numel: int, fraction: float) -> int:
-    return max(1, min(numel, math.ceil(numel * fraction)))
+    """ceil(numel * fraction), within 1..numel. The tiny relative shave keeps float noise from
+    rounding an exact product up (100 * 0.07 is 7.000000000000001 in binary floating point)."""
+    return max(1, min(numel, math.ceil(numel * fraction * (1 - 1e-12))))
 
 
 def compress(tensors: Mapping[str, torch.Tensor], cfg: CompressionConfig, *, base_version: int,

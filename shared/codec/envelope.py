@@ -129,6 +129,16 @@ def _decompress(frame: memoryview, declared: int) -> bytes:
         raise DeltaFormatError(f"corrupt zstd frame: {exc}") from None
     if len(raw) != declared or tail:
         raise DeltaFormatError(f"body decompresses to a size other than the declared {declared} bytes")
+    # The reader stops quietly when its input runs out, even mid-frame (a frame cut inside its
+    # checksum read as complete). The output is now known to be `declared` bytes, so a second,
+    # equally bounded pass can insist on reaching the end of the frame and its checksum.
+    dobj = zstandard.ZstdDecompressor().decompressobj()
+    try:
+        dobj.decompress(frame)
+    except zstandard.ZstdError as exc:
+        raise DeltaFormatError(f"corrupt zstd frame: {exc}") from None
+    if not dobj.eof:
+        raise DeltaFormatError("truncated zstd frame: it ends before its end mark or checksum")
     return raw
 
 

@@ -106,6 +106,13 @@ class _BlockQuantised(ValueCodec):
             raise DeltaMismatchError("quantisation scales must not be negative")
         return scales
 
+    def _dequantise(self, q: np.ndarray, scales: np.ndarray, k: int) -> np.ndarray:
+        # A finite scale near the float32 limit times a code overflows to Inf: refuse it here.
+        with np.errstate(over="ignore"):
+            out = q * np.repeat(scales, BLOCK)[:k]
+        _finite(out, "dequantised values")
+        return out
+
 
 class INT8Values(_BlockQuantised):
     kind = ValueKind.INT8
@@ -119,7 +126,7 @@ class INT8Values(_BlockQuantised):
         body = self._take(buf, k)
         scales = self._read_scales(body, k)
         q = np.frombuffer(body[4 * scales.size:], dtype=np.int8).astype(np.float32)
-        return q * np.repeat(scales, BLOCK)[:k], self.nbytes(k)
+        return self._dequantise(q, scales, k), self.nbytes(k)
 
     def nbytes(self, k):
         return 4 * (-(-k // BLOCK)) + k
@@ -143,7 +150,7 @@ class INT4Values(_BlockQuantised):
         nib = np.empty(packed.size * 2, dtype=np.int16)
         nib[0::2], nib[1::2] = packed & 0x0F, packed >> 4
         q = (nib[:k] - 8).astype(np.float32)
-        return q * np.repeat(scales, BLOCK)[:k], self.nbytes(k)
+        return self._dequantise(q, scales, k), self.nbytes(k)
 
     def nbytes(self, k):
         return 4 * (-(-k // BLOCK)) + (k + 1) // 2
