@@ -1,0 +1,161 @@
+"""Leases: expiry, abandonment, late deltas, no-work answers and epochs (the run has 4 shards)."""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+
+from coordinator.models import Lease, Shard, utcnow
+from shared import protocol
+
+API = protocol.API_PREFIX
+LATER = timedelta(days=30)  # past any lease's deadline in these runs (lease_ttl_s defaults to 600 s)
+
+
+def _lease_states(api) -> dict[int, str]:
+    with api.coordinator.sessions() as s:
+        return {lease.id: lease.state for lease in s.query(Lease).all()}
+
+
+def _shard_states(api) -> dict[int, str]:
+    with api.coordinator.sessions() as s:
+        return {shard.index: shard.state for shard in s.query(Shard).all()}
+
+
+def test_expiry_returns_the_shard_to_the_queue(api, run):
+    a, b = api.register(), api.register()
+    first = api.lease(a)
+    assert _shard_states(api)[first.shard_id] == "leased"
+    assert api.coordinator.expire_leases() == 0  # not yet due
+    assert api.coordinator.expire_leases(now=utcnow() + LATER) == 1
+    assert _lease_states(api)[first.lease_id] == "expired"
+    assert _shard_states(api)[first.shard_id] == "pending"
+    assert api.status()["workers_active"] == 0
+    assert api.coordinator.expire_leases(now=utcnow() + LATER) == 0  # expired once only
+    # the least-trained pending shard with the lowest index goes out next: the same one
+    again = api.lease(b)
+    assert again.shard_id == first.shard_id and again.lease_id != first.lease_id
+
+
+def test_a_short_ttl_expires_on_the_next_lease_request(api, run_config):
+    api.create_run(run_config(lease_ttl_s=1.0))
+    a, b = api.register(), api.register()
+    first = api.lease(a)
+    assert api.lease(b).shard_id != first.shard_id  # still held
+    time.sleep(max(0.0, (first.deadline - utcnow()).total_seconds()) + 0.05)
+    c = api.register()
+    third = api.lease(c)  # granting expires the dead leases first
+    assert third.shard_id == first.shard_id
+    assert _lease_states(api)[first.lease_id] == "expired"
+
+
+def test_a_new_lease_abandons_the_old_one(api, run, make_delta):
+    a, b = api.register(), api.register()
+    old = api.lease(a)
+    new = api.lease(a)
+    assert new.lease_id != old.lease_id
+    states = _lease_states(api)
+    assert states[old.lease_id] == "abandoned" and states[new.lease_id] == "active"
+    other = api.lease(b)
+    assert other.shard_id != new.shard_id  # the worker holds one shard, not two
+    assert sorted(s for s in _shard_states(api).values()).count("leased") == 2
+    assert api.status()["workers_active"] == 2
+
+    late = api.upload(old.lease_id, make_delta(old), a)
+    assert late.status_code == 410
+    assert "newer lease" in late.json()["detail"]
+    assert api.status()["pending_deltas"] == 0
+    assert api.accept(new.lease_id, make_delta(new), a).will_merge_into == 1
+
+
+def test_a_late_delta_on_an_expired_lease_is_still_merged(api, run, make_delta):
+    slow, fast = api.register(), api.register()
+    late_lease = api.lease(slow)
+    api.coordinator.expire_leases(now=utcnow() + LATER)
+    # the shard went back to the queue and someone else trained it meanwhile
+    redo = api.lease(fast)
+    assert redo.shard_id == late_lease.shard_id
+    api.accept(redo.lease_id, make_delta(redo, seed=1), fast)
+    assert api.drain() == 1
+
+    ack = api.accept(late_lease.lease_id, make_delta(late_lease, seed=2), slow)
+    assert ack.will_merge_into == 2 and not ack.duplicate
+    assert api.drain() == 1
+    st = api.status()
+    assert (st["version"], st["merged_deltas"], st["rejected_deltas"]) == (2, 2, 0)
+    from coordinator.models import DeltaRecord
+    with api.coordinator.sessions() as s:
+        rec = s.query(DeltaRecord).filter_by(seq=2).one()
+        assert (rec.outcome, rec.staleness, rec.weight) == ("merged", 1, 1.0)
+
+
+def test_a_delta_beyond_max_staleness_is_refused(api, run_config, make_delta):
+    api.create_run(run_config(outer={"max_staleness": 1}))
+    slow, fast = api.register(), api.register()
+    stale = api.lease(slow)
+    for seed in (1, 2):
+        lease = api.lease(fast)
+        api.accept(lease.lease_id, make_delta(lease, seed=seed), fast)
+    assert api.drain() == 2
+    resp = api.upload(stale.lease_id, make_delta(stale), slow)
+    assert resp.status_code == 410
+    assert "stale" in resp.json()["detail"]
+    st = api.status()
+    assert (st["version"], st["merged_deltas"], st["pending_deltas"]) == (2, 2, 0)
+
+
+def test_no_work_while_every_shard_is_leased(api, run, make_delta):
+    workers = [api.register() for _ in range(5)]
+    leases = [api.lease(h) for h in workers[:4]]
+    assert sorted(lease.shard_id for lease in leases) == [0, 1, 2, 3]
+    resp = api.client.post(f"{API}/runs/t/leases", headers=workers[4])
+    assert resp.status_code == 204
+    assert resp.content == b""
+    assert float(resp.headers["retry-after"]) > 0
+    # a delivered shard is done for this epoch, not pending: still no work
+    api.accept(leases[0].lease_id, make_delta(leases[0]), workers[0])
+    assert api.client.post(f"{API}/runs/t/leases", headers=workers[4]).status_code == 204
+    # an expired lease frees its shard
+    api.coordinator.expire_leases(now=utcnow() + LATER)
+    assert api.lease(workers[4]).shard_id == leases[1].shard_id
+    assert api.status()["epoch"] == 0
+
+
+def test_a_new_epoch_starts_when_every_shard_is_done(api, run, make_delta):
+    headers = api.register()
+    seen = []
+    for i in range(4):
+        lease = api.lease(headers)
+        seen.append(lease.shard_id)
+        api.accept(lease.lease_id, make_delta(lease, seed=i), headers)
+    assert sorted(seen) == [0, 1, 2, 3]
+    st = api.status()
+    assert (st["epoch"], st["shards_done"], st["shards_total"]) == (0, 4, 4)
+
+    nxt = api.lease(headers)
+    assert nxt.shard_id == 0
+    st = api.status()
+    assert st["epoch"] == 1
+    assert st["shards_done"] == 0
+    states = _shard_states(api)
+    assert states[0] == "leased" and [states[i] for i in (1, 2, 3)] == ["pending"] * 3
+    with api.coordinator.sessions() as s:
+        assert {sh.times_trained for sh in s.query(Shard).all()} == {1}
+    # the epoch counts once: the second lease of the new epoch does not bump it again
+    api.accept(nxt.lease_id, make_delta(nxt), headers)
+    assert api.lease(headers).shard_id == 1
+    assert api.status()["epoch"] == 1
+
+
+def test_the_lr_follows_the_schedule(api, run_config, make_delta):
+    cfg = run_config(schedule_tokens=768, inner={"lr": 1e-2, "min_lr_ratio": 0.1})
+    api.create_run(cfg)
+    headers = api.register()
+    lrs = []
+    for i in range(3):  # each delivered round is 3 * 4 * 32 = 384 tokens: half the schedule
+        lease = api.lease(headers)
+        lrs.append(lease.lr)
+        api.accept(lease.lease_id, make_delta(lease, seed=i), headers)
+    assert abs(lrs[0] - 1e-2) < 1e-12
+    assert abs(lrs[1] - (1e-3 + 0.5 * 9e-3)) < 1e-12  # cosine half way: the midpoint
+    assert abs(lrs[2] - 1e-3) < 1e-12  # the floor, and it stays there

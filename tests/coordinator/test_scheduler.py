@@ -1,0 +1,82 @@
+"""Lease policy, pure (coordinator/scheduler.py): no database, no clock."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta, timezone
+
+import pytest
+
+from coordinator.scheduler import (
+    Pick, ShardView, dense_equivalent_bytes, is_expired, lease_deadline, lease_seed, pick_shard, round_tokens,
+)
+
+
+def shard(index: int, state: str = "pending", times: int = 0, id_offset: int = 100) -> ShardView:
+    return ShardView(id=index + id_offset, index=index, state=state, times_trained=times)
+
+
+def test_least_trained_pending_first():
+    shards = [shard(0, times=2), shard(1, times=1), shard(2, "leased", times=0), shard(3, times=1)]
+    assert pick_shard(shards) == Pick(101, new_epoch=False)  # 1 and 3 tie on times: lower index wins
+
+
+def test_ties_broken_by_index_not_by_id_or_order():
+    shards = [ShardView(id=7, index=5, state="pending", times_trained=0),
+              ShardView(id=9, index=2, state="pending", times_trained=0),
+              ShardView(id=1, index=8, state="pending", times_trained=0)]
+    assert pick_shard(shards) == Pick(9, new_epoch=False)
+    assert pick_shard(list(reversed(shards))) == Pick(9, new_epoch=False)
+
+
+def test_pending_beats_done_even_if_done_is_less_trained():
+    shards = [shard(0, "done", times=0), shard(1, "pending", times=5)]
+    assert pick_shard(shards) == Pick(101, new_epoch=False)
+
+
+def test_new_epoch_when_every_shard_is_done():
+    shards = [shard(0, "done", times=3), shard(1, "done", times=2), shard(2, "done", times=2)]
+    assert pick_shard(shards) == Pick(101, new_epoch=True)
+
+
+@pytest.mark.parametrize("states", [["leased"], ["leased", "done"], ["done", "leased", "done"]])
+def test_nothing_while_the_rest_are_leased(states):
+    shards = [shard(i, s) for i, s in enumerate(states)]
+    assert pick_shard(shards) == Pick(None, new_epoch=False)
+
+
+def test_no_shards():
+    assert pick_shard([]) == Pick(None, new_epoch=False)
+
+
+def test_lease_deadline_and_expiry():
+    now = datetime(2024, 5, 1, 12, 0, 0, tzinfo=timezone.utc)
+    deadline = lease_deadline(now, 600.0)
+    assert deadline == now + timedelta(minutes=10)
+    assert lease_deadline(now, 0.25) == now + timedelta(milliseconds=250)
+    assert not is_expired(deadline, now)
+    assert not is_expired(deadline, deadline - timedelta(microseconds=1))
+    assert is_expired(deadline, deadline)  # expiry is inclusive
+    assert is_expired(deadline, deadline + timedelta(seconds=1))
+
+
+def test_lease_seed():
+    a = lease_seed(0, 1)
+    assert a == lease_seed(0, 1)  # deterministic
+    # pinned: a worker and the coordinator of another version must derive the same seeds
+    assert a == 7359998640416684799 and lease_seed(42, 7) == 7990236334482511455
+    seeds = [lease_seed(run, lease) for run in range(5) for lease in range(200)]
+    assert all(0 <= s < 2**63 for s in seeds)  # 63 bits: fits a signed int64 everywhere
+    assert len(set(seeds)) == len(seeds)
+    assert max(seeds) >= 2**62  # uses the top bit of the 63, not a narrower range
+    assert lease_seed(1, 2) != lease_seed(2, 1) and lease_seed(12, 3) != lease_seed(1, 23)
+
+
+def test_round_tokens():
+    assert round_tokens(steps=100, batch_size=16, context=128) == 204_800
+
+
+def test_dense_equivalent_bytes():
+    # one fp32 gradient up and one down per step
+    assert dense_equivalent_bytes(worker_steps=1, n_params=1) == 8
+    assert dense_equivalent_bytes(worker_steps=100, n_params=640_000) == 100 * 2 * 4 * 640_000
+    assert dense_equivalent_bytes(worker_steps=0, n_params=10) == 0

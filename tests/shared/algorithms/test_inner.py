@@ -1,0 +1,108 @@
+"""A worker's local round (shared/algorithms/inner.py) on a tiny model."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from shared.algorithms.inner import make_optimizer, pseudo_gradient, run_steps, scheduled_lr
+from shared.config import InnerConfig
+from shared.model import ModelConfig, build_model, evaluate_loss, get_params
+
+TINY = ModelConfig(n_layer=1, d_model=32, n_head=2, context=16)
+
+
+def repetitive_tokens(n: int = 4000) -> torch.Tensor:
+    text = b"the quick brown fox jumps over the lazy dog. " * (n // 45 + 1)
+    return torch.tensor(list(text[:n]), dtype=torch.uint8)
+
+
+def test_scheduled_lr_shape():
+    cfg = InnerConfig(lr=2e-3, min_lr_ratio=0.1)
+    total = 1000
+    lr = [scheduled_lr(cfg, tokens_done=t, schedule_tokens=total) for t in range(0, total + 1, 10)]
+    assert lr[0] == pytest.approx(2e-3)  # peak at the start
+    assert lr[-1] == pytest.approx(2e-4)  # floor at the end
+    assert scheduled_lr(cfg, tokens_done=total // 2, schedule_tokens=total) == pytest.approx(1.1e-3)
+    assert all(a > b for a, b in zip(lr, lr[1:]))  # strictly decreasing in between
+    # clamped outside the schedule
+    assert scheduled_lr(cfg, tokens_done=5 * total, schedule_tokens=total) == pytest.approx(2e-4)
+    assert scheduled_lr(cfg, tokens_done=-5, schedule_tokens=total) == pytest.approx(2e-3)
+    # cosine, not linear: a quarter of the way the lr is above the linear interpolation
+    quarter = scheduled_lr(cfg, tokens_done=250, schedule_tokens=total)
+    assert quarter == pytest.approx(2e-4 + 0.5 * 1.8e-3 * (1 + math.cos(math.pi / 4)))
+    assert scheduled_lr(InnerConfig(lr=1e-3, min_lr_ratio=0.0), tokens_done=total, schedule_tokens=total) == 0.0
+
+
+def test_pseudo_gradient_is_base_minus_local_and_a_copy():
+    model = build_model(TINY, seed=0)
+    base = get_params(model)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.01)
+    local = dict(model.named_parameters())
+    pg = pseudo_gradient(base, local)
+    assert set(pg) == set(base)
+    for n, t in pg.items():
+        assert not t.requires_grad and t.dtype == torch.float32
+        torch.testing.assert_close(t, base[n] - local[n].detach())
+    snapshot = {n: t.clone() for n, t in pg.items()}
+    with torch.no_grad():  # later training must not change a pseudo-gradient already taken
+        for p in model.parameters():
+            p.add_(1.0)
+    for n, t in base.items():
+        t.mul_(2.0)
+    for n in pg:
+        assert torch.equal(pg[n], snapshot[n])
+
+
+def test_make_optimizer_decays_only_matrices():
+    model = build_model(TINY, seed=0)
+    opt = make_optimizer(model, InnerConfig(weight_decay=0.1, lr=1e-3, beta1=0.8, beta2=0.9))
+    decay, no_decay = opt.param_groups
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    assert all(p.dim() >= 2 for p in decay["params"]) and all(p.dim() < 2 for p in no_decay["params"])
+    assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))
+    assert decay["betas"] == (0.8, 0.9)
+
+
+def test_run_steps_lowers_the_loss():
+    tokens = repetitive_tokens()
+    model = build_model(TINY, seed=0)
+    cfg = InnerConfig(steps=40, batch_size=8, lr=1e-2, warmup_steps=0, weight_decay=0.0)
+    before = evaluate_loss(model, tokens, context=TINY.context, max_sequences=32)
+    seen = []
+    losses = run_steps(model, make_optimizer(model, cfg), tokens, cfg, lr=cfg.lr, steps=40,
+                       generator=torch.Generator().manual_seed(0), on_step=lambda i, loss: seen.append((i, loss)))
+    after = evaluate_loss(model, tokens, context=TINY.context, max_sequences=32)
+    assert len(losses) == 40 and [i for i, _ in seen] == list(range(1, 41))
+    assert [loss for _, loss in seen] == losses
+    assert losses[0] > 5.0  # starts near ln(256)
+    assert sum(losses[-5:]) / 5 < losses[0] - 2.0
+    assert after < before - 2.0
+    assert model.training
+
+
+def test_run_steps_is_deterministic_given_the_generator():
+    tokens = repetitive_tokens()
+    cfg = InnerConfig(batch_size=4, lr=1e-2, warmup_steps=0)
+    runs = []
+    for _ in range(2):
+        model = build_model(TINY, seed=1)
+        runs.append(run_steps(model, make_optimizer(model, cfg), tokens, cfg, lr=cfg.lr, steps=5,
+                              generator=torch.Generator().manual_seed(7)))
+    assert runs[0] == runs[1]
+
+
+def test_warmup_ramps_from_the_worker_offset():
+    tokens = repetitive_tokens()
+    cfg = InnerConfig(batch_size=2, lr=1e-2, warmup_steps=10)
+    model = build_model(TINY, seed=0)
+    opt = make_optimizer(model, cfg)
+    gen = torch.Generator().manual_seed(0)
+    run_steps(model, opt, tokens, cfg, lr=0.01, steps=3, generator=gen)
+    assert all(g["lr"] == pytest.approx(0.01 * 3 / 10) for g in opt.param_groups)
+    run_steps(model, opt, tokens, cfg, lr=0.01, steps=2, generator=gen, step_offset=20)
+    assert all(g["lr"] == pytest.approx(0.01) for g in opt.param_groups)  # past warm-up: full lr

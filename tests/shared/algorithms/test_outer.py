@@ -1,0 +1,176 @@
+"""The merge rule (shared/algorithms/outer.py), checked against torch's own SGD."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from shared.algorithms.outer import OuterState, apply_delta, staleness_weight
+from shared.codec import Delta, Entry, IndexKind, ValueKind
+from shared.config import OuterConfig
+
+SHAPES = {"emb": (6, 4), "w": (5,), "b": (3, 2, 2)}
+
+
+def params(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {n: torch.randn(s, generator=g) for n, s in SHAPES.items()}
+
+
+def dense_delta(grads: dict[str, torch.Tensor], base_version: int = 0) -> Delta:
+    return Delta(base_version, tuple(
+        Entry(n, t.numel(), IndexKind.DENSE, ValueKind.FP32, t.reshape(-1).numpy().astype(np.float32))
+        for n, t in grads.items()))
+
+
+def sparse_delta(grads: dict[str, torch.Tensor], keep: float, seed: int) -> tuple[Delta, Delta]:
+    """(PACKED delta of a random subset, the DENSE delta of the same values with zeros elsewhere)."""
+    rng = np.random.default_rng(seed)
+    sparse, dense = [], []
+    for n, t in grads.items():
+        flat = t.reshape(-1).numpy().astype(np.float32)
+        k = max(1, int(flat.size * keep))
+        idx = np.sort(rng.choice(flat.size, k, replace=False)).astype(np.int64)
+        sparse.append(Entry(n, flat.size, IndexKind.PACKED, ValueKind.FP32, flat[idx], idx))
+        full = np.zeros_like(flat)
+        full[idx] = flat[idx]
+        dense.append(Entry(n, flat.size, IndexKind.DENSE, ValueKind.FP32, full))
+    return Delta(0, tuple(sparse)), Delta(0, tuple(dense))
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+@pytest.mark.parametrize("group", [1, 3])
+def test_one_group_of_deltas_is_one_synchronous_outer_step(nesterov, group):
+    """G deltas from the same base, weight 1 == torch SGD on their average, group after group."""
+    cfg = OuterConfig(lr=0.7, momentum=0.9, nesterov=nesterov, group=group)
+    p0 = params(0)
+    state = OuterState.fresh(p0)
+    ref = {n: torch.nn.Parameter(t.clone()) for n, t in p0.items()}
+    opt = torch.optim.SGD(list(ref.values()), lr=cfg.lr, momentum=cfg.momentum, nesterov=nesterov)
+    for rnd in range(3):  # momentum must carry across groups
+        grads = [params(100 * rnd + i + 1) for i in range(group)]
+        for i, g in enumerate(grads):
+            apply_delta(state, dense_delta(g), weight=1.0, cfg=cfg)
+            assert state.in_group == (i + 1) % group
+        for n, p in ref.items():
+            p.grad = torch.stack([g[n] for g in grads]).mean(0)
+        opt.step()
+        for n in SHAPES:
+            torch.testing.assert_close(state.params[n], ref[n].detach(), atol=1e-5, rtol=1e-5)
+            assert not state.accum[n].any()
+
+
+def test_mid_group_each_delta_applies_its_share_at_once():
+    cfg = OuterConfig(lr=0.5, momentum=0.9, group=4)
+    p0 = params(0)
+    state = OuterState.fresh(p0)
+    g = params(1)
+    apply_delta(state, dense_delta(g), weight=0.5, cfg=cfg)
+    for n in SHAPES:
+        torch.testing.assert_close(state.params[n], p0[n] - 0.5 / 4 * 0.5 * g[n])
+        torch.testing.assert_close(state.accum[n], 0.5 * g[n])
+        assert not state.momentum[n].any()  # no momentum step until the group is full
+    assert state.in_group == 1
+
+
+def test_weight_scales_the_delta():
+    cfg = OuterConfig(group=2)
+    g = params(1)
+    a, b = OuterState.fresh(params(0)), OuterState.fresh(params(0))
+    for _ in range(3):
+        apply_delta(a, dense_delta(g), weight=0.25, cfg=cfg)
+        apply_delta(b, dense_delta({n: 0.25 * t for n, t in g.items()}), weight=1.0, cfg=cfg)
+    for n in SHAPES:
+        torch.testing.assert_close(a.params[n], b.params[n])
+        torch.testing.assert_close(a.momentum[n], b.momentum[n])
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_sparse_deltas_equal_their_dense_equivalent(nesterov):
+    cfg = OuterConfig(lr=0.7, momentum=0.9, nesterov=nesterov, group=2)
+    s_state, d_state = OuterState.fresh(params(0)), OuterState.fresh(params(0))
+    for i in range(5):
+        sparse, dense = sparse_delta(params(10 + i), keep=0.3, seed=i)
+        w = staleness_weight(i, cfg)
+        apply_delta(s_state, sparse, weight=w, cfg=cfg)
+        apply_delta(d_state, dense, weight=w, cfg=cfg)
+    assert s_state.in_group == d_state.in_group == 1
+    for n in SHAPES:
+        torch.testing.assert_close(s_state.params[n], d_state.params[n], atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(s_state.momentum[n], d_state.momentum[n], atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(s_state.accum[n], d_state.accum[n], atol=1e-6, rtol=1e-6)
+
+
+def test_partial_delta_touches_only_its_tensors_but_counts_for_the_group():
+    cfg = OuterConfig(group=2)
+    p0 = params(0)
+    state = OuterState.fresh(p0)
+    apply_delta(state, dense_delta({"w": torch.ones(5)}), weight=1.0, cfg=cfg)
+    assert state.in_group == 1
+    assert torch.equal(state.params["emb"], p0["emb"]) and not torch.equal(state.params["w"], p0["w"])
+
+
+def test_fresh_copies_its_input():
+    p0 = params(0)
+    state = OuterState.fresh(p0)
+    p0["w"].add_(100.0)
+    assert state.params["w"].abs().max() < 50
+    apply_delta(state, dense_delta(params(1)), weight=1.0, cfg=OuterConfig(group=1))
+    assert p0["w"].min() > 50  # and the merge never writes into the caller's tensors
+
+
+def test_staleness_weight():
+    cfg = OuterConfig(group=4, staleness_exponent=0.5)
+    for s in range(4):
+        assert staleness_weight(s, cfg) == 1.0  # within one round of the group
+    assert staleness_weight(7, cfg) == pytest.approx(2 ** -0.5)  # one full round behind
+    assert staleness_weight(4, cfg) == pytest.approx(1.25 ** -0.5)
+    assert staleness_weight(3 + 4 * 8, cfg) == pytest.approx(1 / 3)  # 8 rounds: (1 + 8)^-0.5
+    ws = [staleness_weight(s, cfg) for s in range(3, 200)]
+    assert all(a > b for a, b in zip(ws, ws[1:]))
+    assert 0 < ws[-1] < 1
+    assert staleness_weight(50, OuterConfig(group=4, staleness_exponent=0.0)) == 1.0
+    assert staleness_weight(1, OuterConfig(group=1, staleness_exponent=1.0)) == 0.5
+    assert staleness_weight(0, OuterConfig(group=1)) == 1.0
+    with pytest.raises(ValueError, match="staleness must be >= 0"):
+        staleness_weight(-1, cfg)
+
+
+def test_outer_state_tensors_round_trip():
+    cfg = OuterConfig(group=3)
+    state = OuterState.fresh(params(0))
+    for i in range(4):  # one momentum step, then one delta into the next group
+        apply_delta(state, dense_delta(params(i + 1)), weight=1.0, cfg=cfg)
+    assert state.in_group == 1
+    flat = state.tensors()
+    assert set(flat) == {f"{kind}/{n}" for kind in ("params", "momentum", "accum") for n in SHAPES}
+    assert all(t.dtype == torch.float32 for t in flat.values())
+    # through a real checkpoint format, so nothing depends on aliasing
+    import safetensors.torch
+    loaded = safetensors.torch.load(safetensors.torch.save({k: v.contiguous() for k, v in flat.items()}))
+    back = OuterState.from_tensors(loaded, in_group=state.in_group)
+    assert back.in_group == 1
+    for part in ("params", "momentum", "accum"):
+        a, b = getattr(state, part), getattr(back, part)
+        assert set(a) == set(b) == set(SHAPES)
+        for n in SHAPES:
+            assert torch.equal(a[n], b[n])
+    assert any(state.momentum[n].any() for n in SHAPES) and any(state.accum[n].any() for n in SHAPES)
+    # and the restored state continues exactly like the original
+    for i in range(4):
+        d = dense_delta(params(50 + i))
+        apply_delta(state, d, weight=0.8, cfg=cfg)
+        apply_delta(back, d, weight=0.8, cfg=cfg)
+    for n in SHAPES:
+        assert torch.equal(state.params[n], back.params[n])
+
+
+def test_outer_step_moves_against_the_pseudo_gradient():
+    """Sanity of signs: a pseudo-gradient of base - local pulls the model toward local."""
+    cfg = OuterConfig(lr=1.0, momentum=0.0, group=1)
+    base, local = params(0), params(1)
+    state = OuterState.fresh(base)
+    apply_delta(state, dense_delta({n: base[n] - local[n] for n in SHAPES}), weight=1.0, cfg=cfg)
+    for n in SHAPES:
+        torch.testing.assert_close(state.params[n], local[n])

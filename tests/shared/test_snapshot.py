@@ -1,0 +1,136 @@
+"""Model snapshots: zstd(safetensors), checked on load (shared/snapshot.py)."""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import pytest
+import safetensors.torch
+import torch
+import zstandard
+
+from shared.errors import SnapshotError
+from shared.snapshot import decode_snapshot, encode_snapshot, max_snapshot_bytes
+
+SCHEMA = {"a.weight": (4, 3), "b": (5,)}
+
+
+def params(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {n: torch.randn(s, generator=g) for n, s in SCHEMA.items()}
+
+
+def framed(tensors: dict[str, torch.Tensor], metadata=None) -> bytes:
+    """A snapshot written without encode_snapshot's own conversions (any dtype goes through)."""
+    raw = safetensors.torch.save({n: t.contiguous() for n, t in tensors.items()}, metadata=metadata)
+    return zstandard.ZstdCompressor().compress(raw)
+
+
+def test_round_trip():
+    p = params()
+    buf = encode_snapshot(p, metadata={"version": "7", "run": "t"})
+    got, meta = decode_snapshot(buf, schema=SCHEMA)
+    assert meta == {"version": "7", "run": "t"}
+    assert set(got) == set(SCHEMA)
+    for n in SCHEMA:
+        assert got[n].dtype == torch.float32 and torch.equal(got[n], p[n])
+    # without a schema, and without metadata
+    got2, meta2 = decode_snapshot(encode_snapshot(p))
+    assert meta2 == {} and all(torch.equal(got2[n], p[n]) for n in SCHEMA)
+
+
+def test_encode_converts_to_contiguous_fp32_and_does_not_touch_the_input():
+    p = {"a.weight": torch.randn(3, 4, dtype=torch.float64).T, "b": torch.arange(5, dtype=torch.float16)}
+    got, _ = decode_snapshot(encode_snapshot(p), schema=SCHEMA)
+    assert got["a.weight"].dtype == torch.float32 and torch.equal(got["a.weight"], p["a.weight"].float())
+    assert got["b"].tolist() == [0, 1, 2, 3, 4]
+    assert p["b"].dtype == torch.float16
+
+
+def test_refuses_wrong_names():
+    p = params()
+    p["c"] = p.pop("b")
+    with pytest.raises(SnapshotError, match=r"missing \['b'\], extra \['c'\]"):
+        decode_snapshot(encode_snapshot(p), schema=SCHEMA)
+    with pytest.raises(SnapshotError, match="missing"):
+        decode_snapshot(encode_snapshot({"a.weight": torch.zeros(4, 3)}), schema=SCHEMA)
+
+
+def test_refuses_wrong_shapes():
+    p = params()
+    p["a.weight"] = torch.zeros(3, 4)  # same numel, other shape
+    with pytest.raises(SnapshotError, match=r"a.weight: snapshot shape \(3, 4\) != model \(4, 3\)"):
+        decode_snapshot(encode_snapshot(p), schema=SCHEMA)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float64, torch.int32, torch.bfloat16])
+def test_refuses_wrong_dtype(dtype):
+    p = params()
+    p["b"] = p["b"].to(dtype)
+    with pytest.raises(SnapshotError, match=r"b: dtype torch\.\w+, expected float32"):
+        decode_snapshot(framed(p), schema=SCHEMA)
+    with pytest.raises(SnapshotError, match="expected float32"):
+        decode_snapshot(framed(p))  # checked without a schema too
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_refuses_non_finite(bad):
+    p = params()
+    p["a.weight"][2, 1] = bad
+    with pytest.raises(SnapshotError, match="a.weight: snapshot holds NaN or Inf"):
+        decode_snapshot(encode_snapshot(p), schema=SCHEMA)
+
+
+@pytest.mark.parametrize("buf", [b"", b"garbage bytes that are not zstd", bytes(range(256)) * 4])
+def test_refuses_non_zstd_bytes(buf):
+    with pytest.raises(SnapshotError):
+        decode_snapshot(buf, schema=SCHEMA)
+
+
+@pytest.mark.parametrize("raw", [
+    b"\x00" * 64,  # header length 0
+    struct.pack("<Q", 10_000) + b"{}",  # header longer than the data
+    struct.pack("<Q", 5) + b"notjs",
+    struct.pack("<Q", 2) + b"[]",
+])
+def test_refuses_garbage_inside_a_valid_frame(raw):
+    with pytest.raises(SnapshotError, match="not valid safetensors"):
+        decode_snapshot(zstandard.ZstdCompressor().compress(raw), schema=SCHEMA)
+
+
+def test_refuses_offsets_past_the_data():
+    header = json.dumps({"b": {"dtype": "F32", "shape": [5], "data_offsets": [0, 400]}}).encode()
+    raw = struct.pack("<Q", len(header)) + header + b"\x00" * 20
+    with pytest.raises(SnapshotError, match="not valid safetensors"):
+        decode_snapshot(zstandard.ZstdCompressor().compress(raw))
+
+
+def test_refuses_corrupt_frame():
+    buf = bytearray(encode_snapshot(params()))
+    buf[len(buf) // 2] ^= 0xFF
+    with pytest.raises(SnapshotError):
+        decode_snapshot(bytes(buf), schema=SCHEMA)
+    with pytest.raises(SnapshotError):
+        decode_snapshot(bytes(buf[: len(buf) // 2]), schema=SCHEMA)
+
+
+def test_size_cap():
+    buf = encode_snapshot(params())
+    raw_size = len(zstandard.ZstdDecompressor().decompress(buf))
+    assert decode_snapshot(buf, max_raw_bytes=raw_size)[0].keys() == set(SCHEMA)
+    with pytest.raises(SnapshotError, match=f"past the cap of {raw_size - 1} bytes"):
+        decode_snapshot(buf, max_raw_bytes=raw_size - 1)
+    # a bomb: a tiny frame of a huge, unsized body stops at the schema's cap
+    bomb = zstandard.ZstdCompressor(write_content_size=False).compress(bytes(64 << 20))
+    assert len(bomb) < 64 << 10
+    with pytest.raises(SnapshotError, match=f"past the cap of {max_snapshot_bytes(SCHEMA)} bytes"):
+        decode_snapshot(bomb, schema=SCHEMA)
+
+
+def test_max_snapshot_bytes_fits_real_snapshots():
+    schema = {f"layer.{i}.weight": (64, 64) for i in range(20)}
+    p = {n: torch.zeros(s) for n, s in schema.items()}
+    raw = zstandard.ZstdDecompressor().decompress(encode_snapshot(p, metadata={"k": "v" * 1000}))
+    assert len(raw) <= max_snapshot_bytes(schema)
+    assert max_snapshot_bytes(schema) < 4 * 20 * 64 * 64 + 128 * 1024

@@ -1,0 +1,165 @@
+"""The `idletrain` command line: help, config building, and its error messages (exit 2)."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from idletrain import cli
+from idletrain.demo import free_port
+
+SUBCOMMANDS = [[], ["coordinator"], ["coordinator", "serve"], ["run"], ["run", "create"], ["worker"],
+               ["worker", "run"], ["status"], ["demo"]]
+
+
+@pytest.mark.parametrize("argv", SUBCOMMANDS, ids=lambda a: " ".join(a) or "idletrain")
+def test_help_exits_zero(argv, capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.main([*argv, "--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: idletrain")
+
+
+def test_help_lists_the_run_flags(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["run", "create", "--help"])
+    out = capsys.readouterr().out
+    for flag, *_ in cli.RUN_FLAGS:
+        assert flag in out
+
+
+def test_missing_subcommand_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.main([])
+    assert info.value.code == 2
+    assert "required" in capsys.readouterr().err
+
+
+@pytest.fixture
+def no_network(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("the CLI contacted the coordinator")
+
+    monkeypatch.setattr(cli.httpx, "post", refuse)
+    monkeypatch.setattr(cli.httpx, "get", refuse)
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--steps", "0"], ["bad run config", "inner.steps"]),
+    (["--fraction", "2"], ["bad run config", "compression.fraction"]),
+    (["--values", "int3"], ["bad run config", "compression.values"]),
+    (["--compression", "dense"], ["bad run config", "fraction"]),  # dense needs fraction 1.0
+    (["--shard-tokens", "64"], ["bad run config", "shard_tokens"]),
+])
+def test_run_create_with_an_invalid_value_fails_before_any_request(no_network, capsys, flags, words):
+    assert cli.main(["run", "create", "myrun", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("idletrain: ")
+    for word in words:
+        assert word in err
+
+
+def test_run_create_with_a_bad_name_fails_before_any_request(no_network, capsys):
+    assert cli.main(["run", "create", "no spaces please"]) == 2
+    assert "name" in capsys.readouterr().err
+
+
+def test_run_create_with_a_malformed_number_is_a_usage_error(no_network, capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.main(["run", "create", "myrun", "--steps", "many"])
+    assert info.value.code == 2
+    assert "--steps" in capsys.readouterr().err
+
+
+def test_run_create_with_a_missing_config_file(no_network, tmp_path, capsys):
+    assert cli.main(["run", "create", "myrun", "--config", str(tmp_path / "absent.toml")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_run_create_with_invalid_toml(no_network, tmp_path, capsys):
+    path = tmp_path / "run.toml"
+    path.write_text("[inner\nsteps = 3\n")
+    assert cli.main(["run", "create", "myrun", "--config", str(path)]) == 2
+    assert "not valid TOML" in capsys.readouterr().err
+
+
+def test_run_create_against_an_unreachable_coordinator(capsys):
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    assert cli.main(["run", "create", "myrun", "--coordinator", url, "--steps", "5"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot reach" in err and url in err
+
+
+def test_status_against_an_unreachable_coordinator(capsys):
+    url = f"http://127.0.0.1:{free_port()}"
+    assert cli.main(["status", "--coordinator", url, "--run", "t"]) == 2
+    assert "cannot reach" in capsys.readouterr().err
+
+
+def test_worker_run_with_a_bad_url_fails_before_any_request(capsys, tmp_path):
+    assert cli.main(["worker", "run", "--coordinator", "127.0.0.1:8000", "--run", "t",
+                     "--state-dir", str(tmp_path)]) == 2
+    assert "http://" in capsys.readouterr().err
+
+
+def test_run_create_posts_the_config_and_reports_refusals(monkeypatch, capsys):
+    sent = {}
+
+    def fake_post(url, json, headers, timeout):
+        sent.update(url=url, json=json, headers=headers)
+        return httpx.Response(409, json={"detail": "a run named 'myrun' exists already; pick another name"})
+
+    monkeypatch.setattr(cli.httpx, "post", fake_post)
+    code = cli.main(["run", "create", "myrun", "--coordinator", "http://127.0.0.1:9", "--admin-token", "s" * 16,
+                     "--steps", "7", "--group", "3"])
+    assert code == 2
+    assert "409" in capsys.readouterr().err
+    assert sent["url"] == "http://127.0.0.1:9/api/v1/runs"
+    assert sent["headers"] == {"Authorization": "Bearer " + "s" * 16}
+    assert sent["json"]["name"] == "myrun"
+    assert sent["json"]["inner"]["steps"] == 7 and sent["json"]["outer"]["group"] == 3
+
+
+def test_build_run_config_merges_toml_and_flags(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text(
+        'name = "ignored"\n'
+        'shard_tokens = 4096\n'
+        'eval_every = 3\n'
+        '[model]\nn_layer = 2\nd_model = 64\nn_head = 4\ncontext = 64\n'
+        '[inner]\nsteps = 20\nbatch_size = 8\nlr = 1e-3\n'
+        '[compression]\nindex = "random"\nfraction = 0.05\n'
+        '[outer]\ngroup = 6\n')
+    flags = {key: None for _, key, _, _ in cli.RUN_FLAGS}
+    flags.update({"inner.steps": 50, "compression.values": "int4", "seed": 9})
+    cfg = cli.build_run_config("mine", str(path), flags)
+    assert cfg.name == "mine"  # the positional name wins over the file
+    assert cfg.shard_tokens == 4096 and cfg.eval_every == 3 and cfg.seed == 9
+    assert (cfg.model.n_layer, cfg.model.d_model, cfg.model.n_head, cfg.model.context) == (2, 64, 4, 64)
+    assert cfg.inner.steps == 50  # the flag overrides the file
+    assert cfg.inner.batch_size == 8 and cfg.inner.lr == 1e-3  # the rest of [inner] stays
+    assert (cfg.compression.index, cfg.compression.fraction, cfg.compression.values) == ("random", 0.05, "int4")
+    assert cfg.outer.group == 6 and cfg.outer.lr == 0.7  # unspecified fields keep their defaults
+
+
+def test_build_run_config_without_a_file_uses_defaults_and_flags():
+    cfg = cli.build_run_config("plain", None, {"inner.lr": 5e-3, "outer.momentum": None})
+    assert cfg.inner.lr == 5e-3 and cfg.inner.steps == 100 and cfg.outer.momentum == 0.9
+
+
+def test_build_run_config_rejects_unknown_toml_keys(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text("[inner]\nstepz = 3\n")
+    with pytest.raises(ValueError, match="stepz"):
+        cli.build_run_config("mine", str(path), {})
+
+
+def test_format_status_one_line():
+    st = {"name": "t", "state": "active", "version": 4, "merged_deltas": 3, "pending_deltas": 1,
+          "rejected_deltas": 0, "workers_active": 2, "workers_total": 3, "tokens_trained": 12345,
+          "eval_history": [{"loss": 5.5}, {"loss": 3.25}], "bytes_up": 2_000_000, "bytes_down": 500_000,
+          "traffic_ratio_vs_dense": 40.0}
+    line = cli.format_status(st)
+    assert "version 4" in line and "5.500 -> 3.250" in line and "12,345" in line and "40x" in line
+    assert "\n" not in line

@@ -1,0 +1,135 @@
+"""End to end over real sockets on 127.0.0.1: `idletrain coordinator serve` and two
+`idletrain worker run` processes train a tiny model; the held-out loss must fall."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from idletrain.demo import free_port
+
+ROUNDS = 4  # per worker
+WORKERS = 2
+STEPS, BATCH, CONTEXT = 20, 8, 32
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("IDLETRAIN_")}
+    env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    return env
+
+
+def _tail(path: Path, n: int = 3000) -> str:
+    try:
+        return path.read_text()[-n:]
+    except OSError:
+        return "(no log)"
+
+
+def _wait_healthy(client: httpx.Client, proc: subprocess.Popen, log: Path, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"coordinator exited with {proc.returncode}:\n{_tail(log)}"
+        try:
+            if client.get("/healthz").status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    pytest.fail(f"coordinator did not answer /healthz within {timeout_s} s:\n{_tail(log)}")
+
+
+def _stop(proc: subprocess.Popen, sig: int) -> None:
+    if proc.poll() is None:
+        proc.send_signal(sig)
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+@pytest.mark.slow
+def test_two_workers_train_a_model_over_loopback(tmp_path: Path, corpus_dir: Path):
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    procs: list[subprocess.Popen] = []
+    files = []
+
+    def spawn(name: str, *args: str) -> subprocess.Popen:
+        out = open(logs / f"{name}.log", "w")
+        files.append(out)
+        proc = subprocess.Popen([sys.executable, "-m", "idletrain", *args], env=_env(), cwd=tmp_path,
+                                stdout=out, stderr=subprocess.STDOUT)
+        procs.append(proc)
+        return proc
+
+    try:
+        coord = spawn("coordinator", "--log-level", "WARNING", "coordinator", "serve", "--host", "127.0.0.1",
+                      "--port", str(port), "--data-dir", str(tmp_path / "data"))
+        with httpx.Client(base_url=url, timeout=120) as client:
+            _wait_healthy(client, coord, logs / "coordinator.log")
+            created = client.post("/api/v1/runs", json={
+                "name": "loop", "corpus": str(corpus_dir), "shard_tokens": 4096, "eval_tokens": 4096,
+                "eval_every": 2, "model": {"n_layer": 1, "d_model": 32, "n_head": 2, "context": CONTEXT},
+                "inner": {"steps": STEPS, "batch_size": BATCH, "lr": 3e-3, "warmup_steps": 5},
+                "compression": {"index": "topk", "fraction": 0.1, "values": "int8"},
+                "outer": {"group": WORKERS}})
+            assert created.status_code == 201, created.text
+            first = client.get("/api/v1/runs/loop/status").json()
+            assert first["version"] == 0 and len(first["eval_history"]) == 1
+
+            workers = [spawn(f"worker{i}", "--log-level", "INFO", "worker", "run", "--coordinator", url,
+                             "--run", "loop", "--max-rounds", str(ROUNDS), "--threads", "1", "--device", "cpu",
+                             "--state-dir", str(tmp_path / f"worker{i}"), "--name", f"w{i}")
+                       for i in range(WORKERS)]
+            for i, proc in enumerate(workers):
+                try:
+                    code = proc.wait(timeout=120)
+                except subprocess.TimeoutExpired:
+                    pytest.fail(f"worker {i} did not finish {ROUNDS} rounds:\n{_tail(logs / f'worker{i}.log')}")
+                log = (logs / f"worker{i}.log").read_text()
+                assert code == 0, f"worker {i} exited {code}:\n{log[-3000:]}"
+                assert f"worker done: {ROUNDS} rounds delivered" in log, log[-3000:]
+                assert (tmp_path / f"worker{i}" / "tokens.json").exists()
+
+            acknowledged = WORKERS * ROUNDS
+            deadline = time.monotonic() + 60
+            while True:
+                st = client.get("/api/v1/runs/loop/status").json()
+                if st["pending_deltas"] == 0 and st["version"] >= acknowledged:
+                    break
+                assert time.monotonic() < deadline, f"merger did not catch up: {st}\n{_tail(logs / 'coordinator.log')}"
+                time.sleep(0.2)
+
+            final = client.post("/api/v1/runs/loop/evaluate")
+            assert final.status_code == 200, final.text
+            st = client.get("/api/v1/runs/loop/status").json()
+            assert st["merged_deltas"] == acknowledged, st
+            assert st["rejected_deltas"] == 0 and st["version"] == acknowledged
+            assert st["workers_total"] == WORKERS
+            assert st["tokens_trained"] == acknowledged * STEPS * BATCH * CONTEXT
+            assert st["bytes_up"] > 0 and st["bytes_down_model"] > 0 and st["bytes_down_data"] > 0
+            assert st["traffic_ratio_vs_dense"] > 1  # compressed rounds move less than dense gradients would
+            loss0 = st["eval_history"][0]["loss"]
+            print("eval losses", [(e["version"], round(e["loss"], 3)) for e in st["eval_history"]])
+            loss_end = final.json()["loss"]
+            assert final.json()["version"] == acknowledged
+            assert loss_end < loss0 - 1.0, (loss0, [e["loss"] for e in st["eval_history"]], loss_end)
+            assert coord.poll() is None, _tail(logs / "coordinator.log")
+    finally:
+        for proc in procs[1:]:
+            _stop(proc, signal.SIGKILL)
+        if procs:
+            _stop(procs[0], signal.SIGINT)
+        for f in files:
+            f.close()
