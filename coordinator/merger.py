@@ -35,7 +35,8 @@ class Merger:
         if self._thread is not None:
             self._thread.join(timeout)
         for rt in self.coord.runtime_list():
-            rt.write_checkpoint()
+            with rt.lock:
+                rt.write_checkpoint()
 
     def _loop(self) -> None:
         last_expiry = 0.0
@@ -86,7 +87,8 @@ class Merger:
         if out.version % cfg.eval_every == 0:
             self.coord.evaluate(rt)
         if out.version % self.coord.settings.checkpoint_every == 0:
-            rt.write_checkpoint()
+            with rt.lock:  # exchanges (sparta) may be changing the weights meanwhile
+                rt.write_checkpoint()
             self._gc_snapshots(rt)
         if not out.merged:
             log.warning("run %s: delta %d rejected at merge: %s", cfg.name, seq, out.reason)

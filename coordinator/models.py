@@ -125,3 +125,19 @@ class EvalResult(Base):
     loss: Mapped[float] = mapped_column(Float)
     tokens_trained: Mapped[int] = mapped_column(BigInteger)
     at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class Exchange(Base):
+    """One sparse exchange (sparta): a worker's values mixed into the global model after local
+    step `step` of a lease. Its bytes are not kept; the row makes each (lease, step) count once."""
+
+    __tablename__ = "exchanges"
+    __table_args__ = (UniqueConstraint("lease_id", "step"),)
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id"), index=True)
+    lease_id: Mapped[int] = mapped_column(ForeignKey("leases.id"))
+    worker_id: Mapped[int] = mapped_column(ForeignKey("workers.id"), index=True)
+    step: Mapped[int] = mapped_column(Integer)
+    bytes_in: Mapped[int] = mapped_column(Integer)
+    bytes_out: Mapped[int] = mapped_column(Integer)
+    at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)

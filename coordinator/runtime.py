@@ -1,7 +1,9 @@
 """A run's live state in the coordinator's memory: the global model and the merge rule's state.
 
-Only the merger thread mutates it. It is rebuilt on start from the latest good checkpoint plus
-a replay of the deltas processed after it, so an acknowledged delta is never lost or doubled.
+The merger thread mutates it, and so do sparse exchanges (sparta), always under `lock`. It is
+rebuilt on start from the latest good checkpoint plus a replay of the deltas processed after it,
+so an acknowledged delta is never lost or doubled. Exchanges are not replayed: those made after
+the last checkpoint are lost in a crash (see Coordinator.exchange).
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ class RunRuntime:
         self.model: TransformerLM = build_model(config.model, seed=config.seed)
         self.schema = param_schema(self.model)
         self._eval_tokens: torch.Tensor | None = None
-        self.lock = threading.Lock()  # held while the state changes or is read for evaluation
+        self.lock = threading.Lock()  # held while the state changes or is read (evaluation, snapshot, checkpoint)
 
     @classmethod
     def fresh(cls, *, run_id: int, config: RunConfig, storage: Storage) -> RunRuntime:
@@ -112,7 +114,8 @@ class RunRuntime:
             try:
                 blob = self.storage.read(self.storage.delta(self.run_id, seq))
                 delta = codec.decode(blob, schema=self.schema)
-                apply_delta(self.state, delta, weight=weight, cfg=cfg)
+                if delta.entries:  # an empty delta (a sparta round's end) changes nothing, not even the group count
+                    apply_delta(self.state, delta, weight=weight, cfg=cfg)
             except (OSError, DeltaFormatError) as exc:
                 reason = f"stored delta unreadable: {exc}"
         self.version = seq

@@ -2,19 +2,21 @@
 
 Every method validates first and changes nothing on a refusal. Deltas are acknowledged only
 after their bytes are fsynced and their row committed.
+
+Sparse exchanges (algorithms "sparta" and "sparta+diloco", see `Coordinator.exchange`) change
+the global model between versions; the next merged version's snapshot contains them. They are
+not logged like deltas: after a crash, the exchanges made since the last checkpoint are lost.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import secrets
 import threading
 from datetime import datetime, timezone
-from pathlib import Path
 
-import numpy as np
+import torch
 import zstandard
 from sqlalchemy import func, select, update
 from sqlalchemy.exc import IntegrityError
@@ -23,11 +25,13 @@ from sqlalchemy.orm import Session, sessionmaker
 from coordinator import scheduler
 from coordinator.db import init_db, make_engine, make_sessionmaker
 from coordinator.errors import Conflict, Forbidden, Gone, NotFound, Unauthorized, Unprocessable
-from coordinator.models import DeltaRecord, EvalResult, Lease, ModelVersion, Run, Shard, Worker, utcnow
+from coordinator.models import DeltaRecord, EvalResult, Exchange, Lease, ModelVersion, Run, Shard, Worker, utcnow
 from coordinator.runtime import RunRuntime
 from coordinator.settings import CoordinatorSettings
 from coordinator.storage import Storage
 from shared import codec, protocol
+from shared.algorithms import sparta
+from shared.algorithms.compress import k_for, tensor_seed
 from shared.algorithms.inner import scheduled_lr
 from shared.config import RunConfig
 from shared.data import cut_shards, load_corpus
@@ -232,7 +236,8 @@ class Coordinator:
             return protocol.Lease(
                 lease_id=lease.id, run=run.name, shard_id=shard.index, shard_sha256=shard.sha256,
                 base_version=lease.base_version, seed=lease.seed, lr=lr, inner=cfg.inner,
-                compression=cfg.compression, model=cfg.model.to_dict(), deadline=lease.deadline)
+                compression=cfg.compression, model=cfg.model.to_dict(), deadline=lease.deadline,
+                algorithm=cfg.algorithm, sparta=cfg.sparta)
 
     # -- blobs --------------------------------------------------------------------------------
 
@@ -303,6 +308,14 @@ class Coordinator:
             self._count_rejection(worker.id, lease.run_id, len(body))
             raise Unprocessable(f"delta says base version {delta.base_version}, "
                                 f"but lease {lease_id} handed out version {lease.base_version}")
+        if cfg.algorithm != "sparta" and not delta.entries:
+            self._count_rejection(worker.id, lease.run_id, len(body))
+            raise Unprocessable(f"run {run.name!r} uses {cfg.algorithm}: a round ends with its pseudo-gradient, "
+                                "not an empty delta")
+        if cfg.algorithm == "sparta" and delta.entries:
+            self._count_rejection(worker.id, lease.run_id, len(body))
+            raise Unprocessable(f"run {run.name!r} uses sparta: a round ends with an empty delta (its progress "
+                                f"travels through exchanges), not one of {len(delta.entries)} entries")
         if run.version - lease.base_version > cfg.outer.max_staleness:
             self._count_rejection(worker.id, lease.run_id, len(body))
             raise Gone(f"lease {lease_id} is {run.version - lease.base_version} versions stale, "
@@ -336,6 +349,95 @@ class Coordinator:
                 bytes_up=Worker.bytes_up + len(body)))
             s.commit()
             return protocol.DeltaAccepted(lease_id=lease_id, delta_id=rec.id, will_merge_into=seq)
+
+    # -- sparse exchanges (sparta) -------------------------------------------------------------
+
+    def exchange(self, lease_id: int, step: int, worker: Worker, body: bytes) -> bytes:
+        """One sparse exchange after local step `step` of a lease; returns the encoded correction.
+
+        `body` is what shared.algorithms.sparta.select encodes: the worker's values at the indices
+        drawn from exchange_seed(lease.seed, step), every tensor once, k = k_for(numel, sparta.p).
+        The centre is pulled toward them (mix_into_centre) under the run's lock and the answer is
+        the correction d the worker subtracts. Each (lease, step) counts once (409 after that).
+
+        Known limitation: exchanges are not logged like deltas. The global model they changed is
+        saved by the next snapshot and checkpoint, but after a crash the exchanges made since the
+        last checkpoint are lost (replay re-applies only the deltas).
+        """
+        with self.sessions() as s:
+            lease = s.get(Lease, lease_id)
+            if lease is None:
+                raise NotFound(f"no lease {lease_id}")
+            if lease.worker_id != worker.id:
+                raise Forbidden(f"lease {lease_id} belongs to another worker")
+            run = s.get(Run, lease.run_id)
+            cfg = RunConfig.model_validate_json(run.config_json)
+            if "sparta" not in cfg.algorithm:
+                raise Conflict(f"run {run.name!r} uses {cfg.algorithm!r}, which has no exchanges")
+            if lease.state != "active" or _aware(lease.deadline) <= utcnow():
+                state = "expired" if lease.state == "active" else lease.state
+                raise Gone(f"lease {lease_id} is {state}; exchanges need an active lease")
+            every, steps = cfg.sparta.every, cfg.inner.steps
+            if not 1 <= step <= steps or step % every:
+                raise Unprocessable(f"step {step} is not an exchange step of this run: exchanges follow local "
+                                    f"steps {every}, {2 * every}, ... up to {steps}")
+            if s.scalar(select(Exchange.id).where(Exchange.lease_id == lease_id, Exchange.step == step)) is not None:
+                raise Conflict(f"lease {lease_id} already exchanged after step {step}")
+            lease_seed, base_version, run_id = lease.seed, lease.base_version, run.id
+        rt = self.runtimes.get(run_id)
+        if rt is None:
+            raise NotFound("the run of this lease is not loaded")
+        try:
+            sent = codec.decode(body, schema=rt.schema)
+        except DeltaFormatError as exc:
+            raise Unprocessable(f"exchange refused: {exc}") from None
+        self._check_exchange(sent, rt.schema, seed=sparta.exchange_seed(lease_seed, step), p=cfg.sparta.p,
+                             base_version=base_version, lease_id=lease_id)
+        with rt.lock:
+            # Keep the centre's values at the exchanged indices, so a failure below can put them back:
+            # a refused exchange changes nothing.
+            before = {e.name: rt.state.params[e.name].view(-1)[torch.from_numpy(e.indices)].clone()
+                      for e in sent.entries}
+            try:
+                correction = sparta.mix_into_centre(rt.state.params, sent, alpha=cfg.sparta.alpha,
+                                                    values=cfg.sparta.values)
+                answer = codec.encode(correction)
+                with self.sessions() as s:
+                    s.add(Exchange(run_id=run_id, lease_id=lease_id, worker_id=worker.id, step=step,
+                                   bytes_in=len(body), bytes_out=len(answer)))
+                    s.execute(update(Run).where(Run.id == run_id).values(
+                        bytes_up=Run.bytes_up + len(body), bytes_down_model=Run.bytes_down_model + len(answer)))
+                    s.execute(update(Worker).where(Worker.id == worker.id).values(
+                        bytes_up=Worker.bytes_up + len(body), bytes_down=Worker.bytes_down + len(answer)))
+                    s.commit()
+            except BaseException as exc:
+                for e in sent.entries:
+                    rt.state.params[e.name].view(-1)[torch.from_numpy(e.indices)] = before[e.name]
+                if isinstance(exc, IntegrityError):  # the same exchange raced itself; the first one won
+                    raise Conflict(f"lease {lease_id} already exchanged after step {step}") from None
+                if isinstance(exc, ValueError):  # the correction does not fit its value codec
+                    raise Unprocessable(f"exchange refused: its correction cannot be encoded: {exc}") from None
+                raise
+        return answer
+
+    @staticmethod
+    def _check_exchange(sent: codec.Delta, schema: dict[str, tuple[int, ...]], *, seed: int, p: float,
+                        base_version: int, lease_id: int) -> None:
+        """Every tensor once, at the indices the exchange's seed draws: a worker never picks its own."""
+        if sent.base_version != base_version:
+            raise Unprocessable(f"exchange says base version {sent.base_version}, "
+                                f"but lease {lease_id} handed out version {base_version}")
+        missing = sorted(set(schema) - {e.name for e in sent.entries})
+        if missing:
+            raise Unprocessable(f"exchange refused: it must carry every tensor; missing {missing[:5]}")
+        for e in sent.entries:
+            want_seed, want_k = tensor_seed(seed, e.name), k_for(e.numel, p)
+            if e.index_kind != codec.IndexKind.SEEDED or e.seed != want_seed:
+                raise Unprocessable(f"exchange refused: {e.name} must use the seeded indices of this exchange "
+                                    f"(seed {want_seed}), not {e.index_kind.name.lower()} ones of its own")
+            if e.k != want_k:
+                raise Unprocessable(f"exchange refused: {e.name} carries {e.k} values; this run exchanges "
+                                    f"{want_k} of its {e.numel}")
 
     def _count_rejection(self, worker_id: int, run_id: int, size: int) -> None:
         with self.sessions() as s:
@@ -383,6 +485,7 @@ class Coordinator:
             run = self._run(s, run_name)
             counts = dict(s.execute(select(DeltaRecord.outcome, func.count()).where(DeltaRecord.run_id == run.id)
                                     .group_by(DeltaRecord.outcome)).all())
+            exchanges = s.scalar(select(func.count()).select_from(Exchange).where(Exchange.run_id == run.id))
             evals = s.scalars(select(EvalResult).where(EvalResult.run_id == run.id)
                               .order_by(EvalResult.version)).all()
             active = s.scalar(select(func.count(func.distinct(Lease.worker_id))).where(
@@ -401,7 +504,7 @@ class Coordinator:
                 workers_active=active or 0, workers_total=total_workers or 0, tokens_trained=run.tokens_trained,
                 worker_steps=run.worker_steps, bytes_up=run.bytes_up,
                 bytes_down=run.bytes_down_model + run.bytes_down_data, bytes_down_model=run.bytes_down_model,
-                bytes_down_data=run.bytes_down_data, dense_equivalent_bytes=dense,
+                bytes_down_data=run.bytes_down_data, exchanges=exchanges or 0, dense_equivalent_bytes=dense,
                 traffic_ratio_vs_dense=(dense / moved) if moved else None, n_params=run.n_params,
                 shards_total=sum(shard_counts.values()), shards_done=shard_counts.get("done", 0), epoch=run.epoch)
 

@@ -58,6 +58,7 @@ def _set(d: dict, dotted: str, value) -> None:
 
 
 RUN_FLAGS = [  # (flag, dotted config key, type, help)
+    ("--algorithm", "algorithm", str, "diloco (default) | sparta | sparta+diloco"),
     ("--corpus", "corpus", str, "builtin:stdlib, or a text file/folder on the coordinator's disk"),
     ("--corpus-max-bytes", "corpus_max_bytes", int, "read at most this much of the corpus"),
     ("--shard-tokens", "shard_tokens", int, "tokens per data shard"),
@@ -77,6 +78,8 @@ RUN_FLAGS = [  # (flag, dotted config key, type, help)
     ("--outer-momentum", "outer.momentum", float, "outer Nesterov momentum"),
     ("--group", "outer.group", int, "deltas per outer momentum step (about the number of workers)"),
     ("--max-staleness", "outer.max_staleness", int, "versions a delta may lag before refusal"),
+    ("--sparta-p", "sparta.p", float, "sparta: fraction of each tensor exchanged per exchange"),
+    ("--sparta-every", "sparta.every", int, "sparta: local steps between exchanges"),
 ]
 
 
@@ -190,6 +193,27 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(workers=args.workers, minutes=args.minutes, as_json=args.json, keep=args.keep)
 
 
+def cmd_bench_convergence(args: argparse.Namespace) -> int:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return _fail("the benchmark plots with matplotlib: pip install 'idletrain[bench]'")
+    from bench.convergence import PROFILES, run
+
+    if args.profile not in PROFILES:
+        return _fail(f"unknown profile {args.profile!r}: pick one of {', '.join(sorted(PROFILES))}")
+    if args.workers < 2:
+        return _fail("--workers must be at least 2")
+    if args.hetero < 1:
+        return _fail("--hetero is the fastest worker's speed over the slowest's: 1 or more")
+    out = Path(args.out or f"bench-results/convergence-{args.profile}")
+    rows = run(profile=args.profile, out=out, workers=args.workers, hetero=args.hetero, only=args.only,
+               threads=args.threads)
+    print((out / "results.md").read_text())
+    print(f"wrote {out / 'results.json'}, {out / 'results.md'}, {out / 'loss.png'}")
+    return 0 if rows else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="idletrain", description="Train one model on many idle machines.")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
@@ -240,6 +264,18 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--json", action="store_true", help="end with the summary as one JSON line")
     demo.add_argument("--keep", action="store_true", help="keep the temporary data dir")
     demo.set_defaults(func=cmd_demo)
+
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="action", required=True)
+    conv = bench.add_parser("convergence", help="ddp vs diloco vs sparta vs compressed, same tokens, side by side")
+    conv.add_argument("--profile", default="quick", help="quick (< 10 min on 2 cores) or full (< 60 min)")
+    conv.add_argument("--out", default=None, help="output folder (default bench-results/convergence-PROFILE)")
+    conv.add_argument("--workers", type=int, default=8)
+    conv.add_argument("--hetero", type=float, default=1.0,
+                      help="worker speeds spread geometrically up to this factor (4 = fastest is 4x the slowest)")
+    conv.add_argument("--only", nargs="*", default=None, help="run only methods whose name contains one of these "
+                                                              "(ddp always runs: it is the reference)")
+    conv.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    conv.set_defaults(func=cmd_bench_convergence)
     return p
 
 

@@ -7,7 +7,7 @@ from datetime import datetime
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from shared.config import NAME_PATTERN, CompressionConfig, InnerConfig, RunConfig
+from shared.config import NAME_PATTERN, CompressionConfig, InnerConfig, RunConfig, SpartaConfig
 
 API_VERSION = 1
 API_PREFIX = "/api/v1"
@@ -59,6 +59,10 @@ class Lease(_Body):
     compression: CompressionConfig
     model: dict
     deadline: datetime
+    algorithm: str = Field("diloco", description="the run's algorithm (RunConfig.algorithm): diloco, sparta or "
+                                                 "sparta+diloco; a worker refuses one it does not know")
+    sparta: SpartaConfig = Field(default_factory=SpartaConfig,
+                                 description="exchange settings; used when `algorithm` contains sparta")
 
 
 class DeltaAccepted(_Body):
@@ -93,6 +97,7 @@ class RunStatus(_Body):
     bytes_down: int
     bytes_down_model: int
     bytes_down_data: int
+    exchanges: int = Field(0, description="sparse exchanges with the global model (sparta algorithms)")
     dense_equivalent_bytes: int = Field(
         description="bytes data-parallel training of the same tokens would move: dense fp32 "
                     "gradients up and down for every local step")

@@ -34,6 +34,8 @@ class IntegrityError(Exception):
 
 
 class CoordinatorClient:
+    EXCHANGE_RETRIES = 2  # at most, for exchanges: late answers are worth little, and training goes on without them
+
     def __init__(self, base_url: str, *, token: str | None = None, timeout_s: float = 60.0, max_retries: int = 8,
                  transport: httpx.BaseTransport | None = None, max_download_bytes: int = 1 << 31) -> None:
         self.token = token
@@ -47,19 +49,20 @@ class CoordinatorClient:
     def close(self) -> None:
         self._http.close()
 
-    def _request(self, method: str, url: str, **kw) -> httpx.Response:
+    def _request(self, method: str, url: str, *, max_retries: int | None = None, **kw) -> httpx.Response:
         headers = kw.pop("headers", {})
         if self.token:
             headers["Authorization"] = f"Bearer {self.token}"
-        for attempt in range(self.max_retries + 1):
+        retries = self.max_retries if max_retries is None else min(max_retries, self.max_retries)
+        for attempt in range(retries + 1):
             try:
                 resp = self._http.request(method, url, headers=headers, **kw)
             except httpx.TransportError as exc:
-                if attempt == self.max_retries:
+                if attempt == retries:
                     raise
                 self._backoff(attempt, f"{method} {url}: {exc!r}")
                 continue
-            if resp.status_code >= 500 and attempt < self.max_retries:
+            if resp.status_code >= 500 and attempt < retries:
                 self._backoff(attempt, f"{method} {url}: HTTP {resp.status_code}")
                 continue
             if resp.status_code >= 400:
@@ -127,6 +130,23 @@ class CoordinatorClient:
                              headers={"Content-Type": "application/octet-stream"})
         self.bytes_up += len(body)
         return protocol.DeltaAccepted.model_validate(resp.json())
+
+    def exchange(self, lease_id: int, step: int, body: bytes) -> bytes:
+        """A sparse exchange (sparta) after local step `step`: sends the encoded values, returns the
+        encoded correction. Few retries: an exchange is worth little once training has moved on. A
+        retry after a lost answer is refused with 409 (the coordinator already mixed it in); the
+        worker then simply goes without that correction."""
+        resp = self._request("POST", f"{protocol.API_PREFIX}/leases/{lease_id}/exchange", params={"step": step},
+                             content=body, headers={"Content-Type": "application/octet-stream"},
+                             max_retries=self.EXCHANGE_RETRIES)
+        self.bytes_up += len(body)
+        if len(resp.content) > self.max_download_bytes:
+            raise IntegrityError(f"exchange answer of {len(resp.content)} bytes exceeds the download cap")
+        sha = resp.headers.get(protocol.H_SHA256)
+        if sha is not None and hashlib.sha256(resp.content).hexdigest() != sha:
+            raise IntegrityError(f"exchange answer for step {step} does not match its announced SHA-256")
+        self.bytes_down += len(resp.content)
+        return resp.content
 
     def status(self, run: str) -> protocol.RunStatus:
         return protocol.RunStatus.model_validate(self._request("GET", f"{protocol.API_PREFIX}/runs/{run}/status").json())

@@ -1,4 +1,5 @@
-"""The worker's main loop: lease -> snapshot -> shard -> train -> push, until told to stop.
+"""The worker's main loop: lease -> snapshot -> shard -> train (exchanging, for sparta) -> push,
+until told to stop.
 
 Ctrl-C once: finish the current lease, deliver it, exit. Twice: exit at once.
 """
@@ -10,7 +11,6 @@ import logging
 import os
 import signal
 import threading
-import time
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +21,7 @@ from shared.model import ModelConfig, build_model, param_schema
 from shared.snapshot import decode_snapshot
 from worker.client import CoordinatorClient, CoordinatorError
 from worker.settings import WorkerSettings
-from worker.trainer import LocalTrainer, pick_device
+from worker.trainer import ExchangeFn, LocalTrainer, pick_device
 
 log = logging.getLogger(__name__)
 
@@ -132,6 +132,13 @@ class Worker:
             self.shards.put(lease.shard_sha256, raw)
         return torch.from_numpy(np.frombuffer(raw, dtype=np.uint8).copy())
 
+    def _exchange_for(self, lease_id: int) -> ExchangeFn:
+        """The trainer's exchange callable for one lease (sparta): (step, body) -> correction bytes."""
+        def exchange(step: int, body: bytes) -> bytes:
+            return self.client.exchange(lease_id, step, body)
+
+        return exchange
+
     def run(self) -> int:
         """Train until stopped or max_rounds; returns the number of rounds delivered."""
         s = self.settings
@@ -148,7 +155,9 @@ class Worker:
                 self.stop.event.wait(wait_s)
                 continue
             try:
-                result = self.trainer.train_round(lease, self._params(lease), self._tokens(lease))
+                base = self._params(lease) if self.trainer.needs_snapshot(lease) else None
+                result = self.trainer.train_round(lease, base, self._tokens(lease),
+                                                  exchange=self._exchange_for(lease.lease_id))
                 ack = self.client.upload_delta(lease.lease_id, result.body)
             except CoordinatorError as exc:
                 if exc.status in (404, 409, 410):  # lease lost or too stale: take a new one
@@ -157,10 +166,15 @@ class Worker:
                     continue
                 raise
             self.rounds += 1
-            log.info("lease %d: shard %d from v%d, %d steps, loss %.3f -> %.3f, %.0f tok/s, sent %.1f KB -> v%d",
+            exchanged = ""
+            if "sparta" in lease.algorithm:
+                exchanged = (f", {result.exchanges} exchanges ({result.exchange_bytes_up / 1024:.1f} KB up, "
+                             f"{result.exchange_bytes_down / 1024:.1f} KB down, {result.exchanges_failed} failed, "
+                             f"{result.exchanges_skipped} skipped)")
+            log.info("lease %d: shard %d from v%d, %d steps, loss %.3f -> %.3f, %.0f tok/s, sent %.1f KB -> v%d%s",
                      lease.lease_id, lease.shard_id, lease.base_version, len(result.losses), result.losses[0],
                      result.losses[-1], result.tokens / result.seconds, len(result.body) / 1024,
-                     ack.will_merge_into)
+                     ack.will_merge_into, exchanged)
             if s.max_rounds is not None and self.rounds >= s.max_rounds:
                 break
         return self.rounds
@@ -173,4 +187,5 @@ def run_worker(settings: WorkerSettings) -> int:
     try:
         return worker.run()
     finally:
+        worker.trainer.close()
         worker.client.close()

@@ -2,10 +2,19 @@
 
 The trainer keeps what DiLoCo keeps between rounds on a worker: the inner AdamW state and the
 error-feedback residual (what earlier rounds computed but did not send).
+
+With the sparta algorithms it also exchanges a few parameters with the global model while it
+trains, through an injected `exchange(step, body) -> answer` callable (the loop binds it to the
+HTTP client): the values are selected on the training thread, sent and answered on a background
+thread, and the answer (a correction) is applied between later steps, so training never waits.
+With `sparta` alone the worker's replica is never reset to a snapshot (only the first lease, or a
+new model shape, loads one) and a round ends with an empty delta; `sparta+diloco` resets to the
+lease's snapshot and ends with the compressed pseudo-gradient, as `diloco` does.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
 import time
@@ -14,11 +23,15 @@ from collections.abc import Callable, Mapping
 import torch
 
 from shared import codec, protocol
+from shared.algorithms import sparta
 from shared.algorithms.compress import compress_with_feedback, delta_to_tensors
 from shared.algorithms.inner import make_optimizer, pseudo_gradient, run_steps
 from shared.model import ModelConfig, TransformerLM, build_model, get_params, set_params
 
 log = logging.getLogger(__name__)
+
+ALGORITHMS = ("diloco", "sparta", "sparta+diloco")
+ExchangeFn = Callable[[int, bytes], bytes]  # (step, encoded values) -> encoded correction
 
 
 def pick_device(requested: str = "auto") -> torch.device:
@@ -41,10 +54,91 @@ class RoundResult:
     tokens: int
     seconds: float
     values_sent: int
+    exchanges: int = 0  # answered and applied
+    exchanges_failed: int = 0  # refused, failed, or still unanswered when the round ended
+    exchanges_skipped: int = 0  # not sent because too many were still in flight
+    exchange_bytes_up: int = 0
+    exchange_bytes_down: int = 0
+
+
+class _RoundExchanges:
+    """The exchanges of one round. select() and apply_correction() run on the training thread,
+    between steps; encoding, the request and decoding run on the trainer's background thread."""
+
+    def __init__(self, pool: concurrent.futures.Executor, lease: protocol.Lease, params: dict[str, torch.Tensor],
+                 exchange: ExchangeFn, max_in_flight: int) -> None:
+        self.pool, self.lease, self.params, self.exchange = pool, lease, params, exchange
+        self.schema = {n: tuple(t.shape) for n, t in params.items()}
+        self.max_in_flight = max_in_flight
+        self.pending: list[tuple[int, concurrent.futures.Future]] = []
+        self.applied = self.failed = self.skipped = self.bytes_up = self.bytes_down = 0
+        self.stopped: str | None = None  # why no more exchanges are sent this round
+
+    def after_step(self, step: int) -> None:
+        self.apply_finished()
+        cfg = self.lease.sparta
+        if step % cfg.every or self.stopped:
+            return
+        if len(self.pending) >= self.max_in_flight:
+            self.skipped += 1
+            log.debug("lease %d: exchange after step %d skipped, %d still in flight",
+                      self.lease.lease_id, step, len(self.pending))
+            return
+        sent = sparta.select(self.params, p=cfg.p, seed=sparta.exchange_seed(self.lease.seed, step),
+                             values=cfg.values, base_version=self.lease.base_version)
+        self.pending.append((step, self.pool.submit(self._send, step, sent)))
+
+    def _send(self, step: int, sent: codec.Delta) -> tuple[int, int, codec.Delta]:
+        body = codec.encode(sent)
+        answer = self.exchange(step, body)
+        correction = codec.decode(answer, schema=self.schema)
+        expected = {(e.name, e.seed, e.k) for e in sent.entries}
+        if {(e.name, e.seed, e.k) for e in correction.entries} != expected or any(
+                e.index_kind != codec.IndexKind.SEEDED for e in correction.entries):
+            raise ValueError("the correction does not match the exchanged indices")
+        return len(body), len(answer), correction
+
+    def apply_finished(self) -> None:
+        still = []
+        for step, fut in self.pending:
+            if not fut.done():
+                still.append((step, fut))
+                continue
+            try:
+                up, down, correction = fut.result()
+            except Exception as exc:  # a refused or failed exchange costs only itself
+                self._failed(step, exc)
+                continue
+            sparta.apply_correction(self.params, correction)
+            self.applied += 1
+            self.bytes_up += up
+            self.bytes_down += down
+        self.pending = still
+
+    def _failed(self, step: int, exc: Exception) -> None:
+        self.failed += 1
+        status = getattr(exc, "status", None)  # the client's CoordinatorError; the trainer stays network-free
+        if status in (403, 404, 410) and self.stopped is None:  # the lease is gone: stop asking this round
+            self.stopped = str(exc)
+        level = logging.WARNING if self.failed == 1 else logging.DEBUG
+        log.log(level, "lease %d: exchange after step %d failed (skipped): %s", self.lease.lease_id, step, exc)
+
+    def finish(self, timeout_s: float) -> None:
+        """Wait (bounded) for the answers still in flight and apply them; drop the rest."""
+        if self.pending:
+            concurrent.futures.wait([f for _, f in self.pending], timeout=timeout_s)
+        self.apply_finished()
+        for step, fut in self.pending:
+            fut.cancel()
+            self.failed += 1
+            log.warning("lease %d: exchange after step %d unanswered after %.0f s; dropped",
+                        self.lease.lease_id, step, timeout_s)
+        self.pending = []
 
 
 class LocalTrainer:
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, *, exchange_wait_s: float = 30.0,
+                 max_exchanges_in_flight: int = 4) -> None:
         self.device = device
         self.model: TransformerLM | None = None
         self.model_cfg: ModelConfig | None = None
@@ -52,6 +146,15 @@ class LocalTrainer:
         self.residual: dict[str, torch.Tensor] = {}
         self.steps_done = 0
         self._last_sent: dict[str, torch.Tensor] = {}
+        self._replica = False  # sparta: the model holds this worker's own replica, kept between rounds
+        self.exchange_wait_s = exchange_wait_s
+        self.max_exchanges_in_flight = max_exchanges_in_flight
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
 
     def _ensure_model(self, lease: protocol.Lease) -> TransformerLM:
         cfg = ModelConfig.from_dict(lease.model)
@@ -59,26 +162,79 @@ class LocalTrainer:
             self.model = build_model(cfg).to(self.device)
             self.model_cfg = cfg
             self.opt = make_optimizer(self.model, lease.inner)
-            self.residual, self.steps_done = {}, 0
+            self.residual, self.steps_done, self._replica = {}, 0, False
         return self.model
 
-    def train_round(self, lease: protocol.Lease, base: Mapping[str, torch.Tensor], tokens: torch.Tensor, *,
-                    on_step: Callable[[int, float], None] | None = None) -> RoundResult:
+    def needs_snapshot(self, lease: protocol.Lease) -> bool:
+        """Whether train_round needs the lease's snapshot: always, except with `sparta` once this
+        worker holds a replica of the same model (SPARTA replicas are never reset)."""
+        return not (lease.algorithm == "sparta" and self._replica and self.model is not None
+                    and ModelConfig.from_dict(lease.model) == self.model_cfg)
+
+    def train_round(self, lease: protocol.Lease, base: Mapping[str, torch.Tensor] | None, tokens: torch.Tensor, *,
+                    on_step: Callable[[int, float], None] | None = None,
+                    exchange: ExchangeFn | None = None) -> RoundResult:
+        """One round. `base` (the lease's snapshot) may be None when needs_snapshot() is False.
+        `exchange` sends the sparta exchanges of this lease; without it a sparta round trains alone."""
+        if lease.algorithm not in ALGORITHMS:
+            raise ValueError(f"this worker does not know the algorithm {lease.algorithm!r} "
+                             f"(it knows {', '.join(ALGORITHMS)}): upgrade idletrain")
         t0 = time.perf_counter()
+        keep = not self.needs_snapshot(lease)
         model = self._ensure_model(lease)
-        set_params(model, {n: t.to(self.device) for n, t in base.items()})
+        if not keep:
+            if base is None:
+                raise ValueError(f"lease {lease.lease_id} needs its snapshot (version {lease.base_version})")
+            set_params(model, {n: t.to(self.device) for n, t in base.items()})
+        self._replica = lease.algorithm == "sparta"
+
+        rx = None
+        step_hook = on_step
+        if "sparta" in lease.algorithm:
+            if exchange is None:
+                log.warning("lease %d: %s without an exchange callable; training without exchanges",
+                            lease.lease_id, lease.algorithm)
+            else:
+                if self._pool is None:
+                    self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1,
+                                                                       thread_name_prefix="idletrain-exchange")
+                live = {n: p.detach() for n, p in model.named_parameters()}
+                rx = _RoundExchanges(self._pool, lease, live, exchange, self.max_exchanges_in_flight)
+
+                def step_hook(step: int, loss: float) -> None:
+                    rx.after_step(step)
+                    if on_step is not None:
+                        on_step(step, loss)
+
         gen = torch.Generator().manual_seed(lease.seed)
-        losses = run_steps(model, self.opt, tokens, lease.inner, lr=lease.lr, steps=lease.inner.steps,
-                           generator=gen, step_offset=self.steps_done, on_step=on_step)
+        try:
+            losses = run_steps(model, self.opt, tokens, lease.inner, lr=lease.lr, steps=lease.inner.steps,
+                               generator=gen, step_offset=self.steps_done, on_step=step_hook)
+        except BaseException:
+            if rx is not None:
+                rx.finish(0.0)
+            raise
+        if rx is not None:
+            rx.finish(self.exchange_wait_s)
         self.steps_done += lease.inner.steps
-        pg = pseudo_gradient(base, get_params(model))
-        delta, self.residual = compress_with_feedback(pg, self.residual, lease.compression,
-                                                      base_version=lease.base_version, round_seed=lease.seed)
-        body = codec.encode(delta)
-        self._last_sent = delta_to_tensors(delta, {n: tuple(t.shape) for n, t in pg.items()})
+
+        if lease.algorithm == "sparta":  # progress travelled through the exchanges; the empty delta closes the lease
+            delta = codec.Delta(base_version=lease.base_version, entries=())
+            body = codec.encode(delta)
+            self._last_sent = {}
+        else:
+            pg = pseudo_gradient(base, get_params(model))
+            delta, self.residual = compress_with_feedback(pg, self.residual, lease.compression,
+                                                          base_version=lease.base_version, round_seed=lease.seed)
+            body = codec.encode(delta)
+            self._last_sent = delta_to_tensors(delta, {n: tuple(t.shape) for n, t in pg.items()})
         n_tokens = lease.inner.steps * lease.inner.batch_size * model.cfg.context
-        return RoundResult(body=body, losses=losses, tokens=n_tokens, seconds=time.perf_counter() - t0,
-                           values_sent=sum(e.k for e in delta.entries))
+        return RoundResult(
+            body=body, losses=losses, tokens=n_tokens, seconds=time.perf_counter() - t0,
+            values_sent=sum(e.k for e in delta.entries),
+            exchanges=rx.applied if rx else 0, exchanges_failed=rx.failed if rx else 0,
+            exchanges_skipped=rx.skipped if rx else 0, exchange_bytes_up=rx.bytes_up if rx else 0,
+            exchange_bytes_down=rx.bytes_down if rx else 0)
 
     def undeliverable(self) -> None:
         """The last round's delta never arrived: keep what it carried for the next round

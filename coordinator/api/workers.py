@@ -1,8 +1,11 @@
-"""Workers: registration, leases, delta uploads."""
+"""Workers: registration, leases, delta uploads, sparse exchanges."""
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request, Response
+import hashlib
+from typing import Annotated
+
+from fastapi import APIRouter, Query, Request, Response
 from starlette.concurrency import run_in_threadpool
 
 from coordinator.api.deps import CoordinatorDep, CurrentWorker
@@ -42,6 +45,21 @@ async def upload_delta(lease_id: int, request: Request, coord: CoordinatorDep,
         raise ServiceError(f"send the delta as application/octet-stream, not {ctype or 'nothing'}")
     body = await read_capped(request, coord.settings.max_upload_bytes)
     return await run_in_threadpool(coord.accept_delta, lease_id, worker, body)
+
+
+@router.post("/leases/{lease_id}/exchange", response_class=Response, openapi_extra=_OCTET, responses={
+    200: {"content": {"application/octet-stream": {}}, "description": "the encoded correction (a delta envelope)"}})
+async def exchange(lease_id: int, step: Annotated[int, Query(description="the local step just finished")],
+                   request: Request, coord: CoordinatorDep, worker: CurrentWorker) -> Response:
+    """A sparse exchange with the global model (algorithms sparta and sparta+diloco): the body is
+    the worker's values at this step's seeded indices, the answer the correction it subtracts."""
+    ctype = request.headers.get("content-type", "").split(";")[0].strip()
+    if ctype != "application/octet-stream":
+        raise ServiceError(f"send the exchange as application/octet-stream, not {ctype or 'nothing'}")
+    body = await read_capped(request, coord.settings.max_upload_bytes)
+    answer = await run_in_threadpool(coord.exchange, lease_id, step, worker, body)
+    return Response(answer, media_type="application/octet-stream",
+                    headers={protocol.H_SHA256: hashlib.sha256(answer).hexdigest()})
 
 
 async def read_capped(request: Request, cap: int) -> bytes:

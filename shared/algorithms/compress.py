@@ -18,7 +18,7 @@ from shared.codec import Delta, Entry, IndexKind, ValueKind, seeded_indices
 from shared.codec.values import VALUE_CODECS
 from shared.config import CompressionConfig
 
-_VALUE_KINDS = {"fp32": ValueKind.FP32, "fp16": ValueKind.FP16, "int8": ValueKind.INT8, "int4": ValueKind.INT4}
+VALUE_KINDS = {"fp32": ValueKind.FP32, "fp16": ValueKind.FP16, "int8": ValueKind.INT8, "int4": ValueKind.INT4}
 
 
 def tensor_seed(round_seed: int, name: str) -> int:
@@ -36,7 +36,7 @@ def k_for(numel: int, fraction: float) -> int:
 def compress(tensors: Mapping[str, torch.Tensor], cfg: CompressionConfig, *, base_version: int,
              round_seed: int) -> Delta:
     """Select and quantise; returns the Delta as it will travel (before encoding)."""
-    value_kind = _VALUE_KINDS[cfg.values]
+    value_kind = VALUE_KINDS[cfg.values]
     entries = []
     for name, t in tensors.items():
         flat = t.detach().reshape(-1).to(torch.float32).cpu().numpy()

@@ -1,0 +1,155 @@
+"""`idletrain bench convergence`: every method on the same model and the same tokens, side by side.
+
+Per method: final held-out eval loss, its ratio to ddp, bytes each worker sent and received,
+the traffic reduction against ddp (dense fp32 gradients both ways every step), wall time.
+Writes results.json, results.md and loss.png (eval loss against tokens, one line per method).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from bench.sim import Method, Result, Setup, ddp_bytes_per_worker, run_method
+from shared.config import CompressionConfig, InnerConfig, OuterConfig, RunConfig
+from shared.data import load_corpus
+from shared.model import ModelConfig, build_model, count_params
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class Profile:
+    model: ModelConfig
+    steps_per_worker: int
+    corpus_max_bytes: int
+    eval_tokens: int
+    lr: float
+    warmup_steps: int
+    H: int  # local steps per round for the diloco family
+
+
+PROFILES = {
+    # Minutes on 2 cores: a smaller model, fewer steps; the same methods and accounting.
+    "quick": Profile(ModelConfig(n_layer=2, n_head=4, d_model=64, context=64), steps_per_worker=160,
+                     corpus_max_bytes=4 << 20, eval_tokens=1 << 15, lr=3e-3, warmup_steps=20, H=20),
+    # The shape of the published SPARTA measurements (ANCHORS.md): 644k params, context 128.
+    "full": Profile(ModelConfig(), steps_per_worker=400, corpus_max_bytes=16 << 20, eval_tokens=1 << 16,
+                    lr=2e-3, warmup_steps=40, H=50),
+}
+
+
+def methods_for(p: Profile, *, workers: int, hetero: float = 1.0) -> list[Method]:
+    dense32 = CompressionConfig(index="dense", fraction=1.0, values="fp32", error_feedback=False)
+    dense8 = CompressionConfig(index="dense", fraction=1.0, values="int8", error_feedback=True)
+    topk = CompressionConfig(index="topk", fraction=0.1, values="int8", error_feedback=True)
+    topk_small = CompressionConfig(index="topk", fraction=0.02, values="int4", error_feedback=True)
+    paper = OuterConfig(group=workers)  # DiLoCo's published outer optimiser: lr 0.7, Nesterov 0.9
+    default = RunConfig(name="defaults").outer.model_copy(update={"group": workers})
+    methods = [
+        Method("ddp", "ddp"),
+        Method(f"diloco H={p.H} (paper outer)", "diloco", H=p.H, compression=dense32, outer=paper),
+        Method(f"diloco H={p.H} (default outer)", "diloco", H=p.H, compression=dense32, outer=default),
+        Method(f"diloco H={p.H} int8+EF", "diloco", H=p.H, compression=dense8, outer=default),
+        Method(f"diloco H={p.H} top10% int8+EF", "diloco", H=p.H, compression=topk, outer=default),
+        Method(f"diloco H={2 * p.H} top2% int4+EF, delta down", "diloco", H=2 * p.H, compression=topk_small,
+               outer=default, down="delta"),
+        Method("sparta p=0.5%", "sparta", sparta_p=0.005),
+        Method("sparta p=0.1%", "sparta", sparta_p=0.001),
+        Method(f"sparta p=0.5% + diloco H={p.H}", "sparta+diloco", H=p.H, sparta_p=0.005, compression=dense8,
+               outer=default),
+    ]
+    if hetero != 1.0:  # the same async methods again with workers of unequal speed, side by side
+        methods += [dataclasses.replace(m, name=f"{m.name}, speeds 1-{hetero:g}x", speed_spread=hetero)
+                    for m in methods if m.kind == "diloco" and m.outer == default]
+    return methods
+
+
+def result_row(r: Result, *, ddp: Result, dense_bytes: float) -> dict:
+    return {
+        "method": r.method,
+        "eval_loss": round(r.eval_loss, 4),
+        "loss_ratio_vs_ddp": round(r.eval_loss / ddp.eval_loss, 4),
+        "bytes_up_per_worker": int(r.bytes_up_per_worker),
+        "bytes_down_per_worker": int(r.bytes_down_per_worker),
+        "traffic_reduction_vs_ddp": round(2 * dense_bytes / max(1.0, r.bytes_up_per_worker + r.bytes_down_per_worker), 1),
+        "wall_s": round(r.wall_s, 1),
+        "curve": [[int(t), round(loss, 4)] for t, loss in r.curve],
+    }
+
+
+def write_markdown(rows: list[dict], path: Path, *, header: str) -> None:
+    lines = [header, "", "| method | eval loss | x ddp | up / worker | down / worker | traffic reduction | wall s |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['method']} | {r['eval_loss']:.3f} | {r['loss_ratio_vs_ddp']:.3f} | "
+                     f"{r['bytes_up_per_worker'] / 1e6:.2f} MB | {r['bytes_down_per_worker'] / 1e6:.2f} MB | "
+                     f"{r['traffic_reduction_vs_ddp']:.0f}x | {r['wall_s']:.0f} |")
+    path.write_text("\n".join(lines) + "\n")
+
+
+def plot(rows: list[dict], path: Path, *, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for r in rows:
+        t, loss = zip(*r["curve"])
+        ax.plot([x / 1e6 for x in t], loss, marker="o", markersize=3, label=f"{r['method']} ({r['traffic_reduction_vs_ddp']:.0f}x)")
+    ax.set_xlabel("tokens trained (millions)")
+    ax.set_ylabel("held-out loss (nats/byte)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    lows = [min(l for _, l in r["curve"]) for r in rows]
+    ax.set_ylim(min(lows) * 0.95, min(lows) * 1.9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run(*, profile: str = "quick", out: Path = Path("bench-results/convergence"), workers: int = 8,
+        hetero: float = 1.0, only: list[str] | None = None, threads: int | None = None) -> list[dict]:
+    if profile not in PROFILES:
+        raise ValueError(f"unknown profile {profile!r}: pick one of {sorted(PROFILES)}")
+    if threads:
+        torch.set_num_threads(threads)
+    p = PROFILES[profile]
+    corpus = load_corpus(max_bytes=p.corpus_max_bytes)
+    setup = Setup(model=p.model, inner=InnerConfig(lr=p.lr, warmup_steps=p.warmup_steps), workers=workers,
+                  steps_per_worker=p.steps_per_worker, train=torch.from_numpy(corpus.train),
+                  eval=torch.from_numpy(corpus.eval[: p.eval_tokens]))
+    methods = methods_for(p, workers=workers, hetero=hetero)
+    if only:
+        methods = [m for m in methods if m.name == "ddp" or any(o in m.name for o in only)]
+    out.mkdir(parents=True, exist_ok=True)
+    dense = ddp_bytes_per_worker(setup) / 2
+    results: list[Result] = []
+    t0 = time.perf_counter()
+    for m in methods:
+        log.info("running %s", m.name)
+        r = run_method(setup, m)
+        log.info("%s: eval loss %.4f, up %.2f MB, down %.2f MB, %.0f s", m.name, r.eval_loss,
+                 r.bytes_up_per_worker / 1e6, r.bytes_down_per_worker / 1e6, r.wall_s)
+        results.append(r)
+    ddp = results[0]
+    rows = [result_row(r, ddp=ddp, dense_bytes=dense) for r in results]
+    n_params = count_params(build_model(p.model))
+    meta = {"profile": profile, "workers": workers, "hetero_speed_spread": hetero, "n_params": n_params,
+            "steps_per_worker": p.steps_per_worker, "tokens_per_method": setup.total_steps * setup.tokens_per_step,
+            "total_wall_s": round(time.perf_counter() - t0, 1), "torch_threads": torch.get_num_threads()}
+    (out / "results.json").write_text(json.dumps(rows, indent=1) + "\n")
+    (out / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
+    header = (f"# Convergence, profile `{profile}`\n\n{workers} workers, {n_params:,} parameters, "
+              f"{meta['tokens_per_method']:,} tokens per method, speed spread {hetero:g}x; "
+              f"traffic reduction = ddp bytes (dense fp32 gradients up and down every step) / bytes moved.")
+    write_markdown(rows, out / "results.md", header=header)
+    plot(rows, out / "loss.png", title=f"idletrain bench convergence --profile {profile} ({workers} workers)")
+    return rows

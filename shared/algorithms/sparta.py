@@ -1,0 +1,70 @@
+"""Sparse elastic averaging (SPARTA with a central replica): every few local steps a worker
+swaps a random fraction p of its parameters with the global model, and neither waits.
+
+For the indices idx of one exchange (drawn from a seed both sides know, so they never travel):
+    d        = alpha * (w[idx] - c[idx])     the worker's values w against the centre c
+    c[idx]  += d                             the coordinator pulls the centre toward the worker
+    w[idx]  -= d                             the worker, whenever the answer arrives, is pulled back
+With alpha = 0.5 both end at the pair's average, which is SPARTA's pairwise averaging with the
+centre as every worker's partner. The worker sends w[idx] (k values + a seed); the answer is d.
+Because the worker subtracts d instead of overwriting, local steps taken while the request was
+in flight are kept: training never blocks on the network.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+import torch
+
+from shared import codec
+from shared.algorithms.compress import VALUE_KINDS, k_for, tensor_seed
+
+
+def exchange_seed(lease_seed: int, step: int) -> int:
+    """The seed of the exchange after local step `step` of a lease (63-bit)."""
+    return tensor_seed(lease_seed, f"sparta/{step}") >> 1
+
+
+def select(params: Mapping[str, torch.Tensor], *, p: float, seed: int, values: str,
+           base_version: int = 0) -> codec.Delta:
+    """The worker's side: its current values at the exchange's seeded indices."""
+    entries = []
+    for name, t in params.items():
+        flat = t.detach().reshape(-1)
+        numel = flat.numel()
+        s = tensor_seed(seed, name)
+        idx = codec.seeded_indices(s, numel, k_for(numel, p))
+        # Gather on the tensor's own device: only the k values travel to the CPU, never the tensor.
+        picked = flat[torch.from_numpy(idx).to(flat.device)].to("cpu", torch.float32)
+        entries.append(codec.Entry(name, numel, codec.IndexKind.SEEDED, VALUE_KINDS[values],
+                                   picked.numpy(), idx, s))
+    return codec.Delta(base_version=base_version, entries=tuple(entries))
+
+
+def mix_into_centre(centre: Mapping[str, torch.Tensor], sent: codec.Delta, *, alpha: float,
+                    values: str) -> codec.Delta:
+    """The coordinator's side: pull the centre toward the sent values (in place); returns the
+    correction d for the worker, on the same seeded indices."""
+    out = []
+    with torch.no_grad():
+        for e in sent.entries:
+            c = centre[e.name].view(-1)
+            idx = torch.from_numpy(e.indices)
+            d = alpha * (torch.from_numpy(np.asarray(e.values, dtype=np.float32)) - c[idx])
+            c.index_add_(0, idx, d)
+            out.append(codec.Entry(e.name, e.numel, codec.IndexKind.SEEDED, VALUE_KINDS[values],
+                                   d.numpy(), e.indices, e.seed))
+    return codec.Delta(base_version=sent.base_version, entries=tuple(out))
+
+
+def apply_correction(params: Mapping[str, torch.Tensor], correction: codec.Delta) -> None:
+    """The worker's side, when the answer arrives: w[idx] -= d (in place, on any device)."""
+    with torch.no_grad():
+        for e in correction.entries:
+            w = params[e.name]
+            flat = w.view(-1)
+            idx = torch.from_numpy(e.indices).to(w.device)
+            flat.index_add_(0, idx, torch.from_numpy(np.asarray(e.values, dtype=np.float32)).to(w.device),
+                            alpha=-1.0)

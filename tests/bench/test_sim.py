@@ -1,0 +1,86 @@
+"""The convergence simulator: every method runs, on the same tokens, with honest byte counts."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from bench.convergence import PROFILES, methods_for, plot, result_row, write_markdown
+from bench.sim import Method, Setup, ddp_bytes_per_worker, run_method, speeds_for
+from shared.config import CompressionConfig, InnerConfig, OuterConfig
+from shared.model import ModelConfig, build_model, count_params
+
+TINY = ModelConfig(n_layer=1, n_head=2, d_model=16, context=16)
+
+
+@pytest.fixture(scope="module")
+def setup() -> Setup:
+    rng = np.random.default_rng(0)
+    text = np.frombuffer(b"the quick brown fox jumps over the lazy dog. " * 400, dtype=np.uint8)
+    noise = rng.integers(0, 256, 2000, dtype=np.uint8)
+    return Setup(model=TINY, inner=InnerConfig(lr=1e-2, warmup_steps=2, batch_size=4), workers=3,
+                 steps_per_worker=8, train=torch.from_numpy(np.concatenate([text, noise])),
+                 eval=torch.from_numpy(text[:2000].copy()), eval_points=2)
+
+
+def test_ddp_counts_dense_gradients_both_ways(setup):
+    r = run_method(setup, Method("ddp", "ddp"))
+    dense = 4 * count_params(build_model(TINY)) * setup.steps_per_worker
+    assert r.bytes_up_per_worker == dense and r.bytes_down_per_worker == dense
+    assert ddp_bytes_per_worker(setup) == 2 * dense
+    assert r.curve[0][0] == 0 and r.curve[-1][0] == setup.total_steps * setup.tokens_per_step
+    assert r.eval_loss < r.curve[0][1]
+
+
+def test_diloco_merges_every_round_and_counts_encoded_bytes(setup):
+    comp = CompressionConfig(index="topk", fraction=0.1, values="int8")
+    r = run_method(setup, Method("d", "diloco", H=4, compression=comp, outer=OuterConfig(group=3)))
+    assert r.merges == setup.total_steps // 4
+    assert r.curve[-1][0] == setup.total_steps * setup.tokens_per_step  # same tokens as ddp
+    assert 0 < r.bytes_up_per_worker < ddp_bytes_per_worker(setup) / 2
+    assert r.mean_staleness <= 2  # equal speeds: a group of 3 merges from the same base
+
+
+def test_unequal_speeds_make_merges_stale(setup):
+    even = run_method(setup, Method("d", "diloco", H=2, outer=OuterConfig(group=3)))
+    skew = run_method(setup, Method("d", "diloco", H=2, outer=OuterConfig(group=3), speed_spread=4.0))
+    assert even.max_staleness <= 2  # equal speeds: each delta lags at most its own group
+    assert skew.max_staleness > even.max_staleness
+    assert skew.curve[-1][0] == even.curve[-1][0]
+
+
+@pytest.mark.parametrize("kind", ["sparta", "sparta+diloco"])
+def test_sparta_moves_a_fraction_of_the_bytes(setup, kind):
+    r = run_method(setup, Method("s", kind, H=4, sparta_p=0.05))
+    assert 0 < r.bytes_up_per_worker < ddp_bytes_per_worker(setup) / 2
+    assert np.isfinite(r.eval_loss)
+
+
+def test_speeds_spread_geometrically():
+    assert speeds_for(3, 4.0) == (1.0, 2.0, 4.0)
+    assert speeds_for(1, 4.0) == (1.0,)
+
+
+def test_outputs_are_written(tmp_path, setup):
+    ddp = run_method(setup, Method("ddp", "ddp"))
+    other = run_method(setup, Method("sparta", "sparta", sparta_p=0.1))
+    rows = [result_row(r, ddp=ddp, dense_bytes=ddp_bytes_per_worker(setup) / 2) for r in (ddp, other)]
+    assert rows[0]["loss_ratio_vs_ddp"] == 1.0 and rows[0]["traffic_reduction_vs_ddp"] == 1.0
+    assert rows[1]["traffic_reduction_vs_ddp"] > 1
+    keys = {"method", "eval_loss", "loss_ratio_vs_ddp", "bytes_up_per_worker", "bytes_down_per_worker",
+            "traffic_reduction_vs_ddp", "wall_s"}
+    assert keys <= set(rows[0])
+    json.dumps(rows)
+    write_markdown(rows, tmp_path / "results.md", header="# t")
+    assert "| sparta |" in (tmp_path / "results.md").read_text()
+    plot(rows, tmp_path / "loss.png", title="t")
+    assert (tmp_path / "loss.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_hetero_adds_side_by_side_copies():
+    names = [m.name for m in methods_for(PROFILES["quick"], workers=8, hetero=4)]
+    assert any(n.endswith("speeds 1-4x") for n in names)
+    assert names[0] == "ddp"
