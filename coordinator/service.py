@@ -281,11 +281,7 @@ class Coordinator:
     def accept_delta(self, lease_id: int, worker: Worker, body: bytes) -> protocol.DeltaAccepted:
         digest = hashlib.sha256(body).hexdigest()
         with self.sessions() as s:
-            lease = s.get(Lease, lease_id)
-            if lease is None:
-                raise NotFound(f"no lease {lease_id}")
-            if lease.worker_id != worker.id:
-                raise Forbidden(f"lease {lease_id} belongs to another worker")
+            lease = self._own_lease(s, lease_id, worker)
             prior = s.scalar(select(DeltaRecord).where(DeltaRecord.lease_id == lease_id))
             if prior is not None:
                 if prior.sha256 == digest:  # a retry after a lost answer: same answer, merged once
@@ -365,11 +361,7 @@ class Coordinator:
         last checkpoint are lost (replay re-applies only the deltas).
         """
         with self.sessions() as s:
-            lease = s.get(Lease, lease_id)
-            if lease is None:
-                raise NotFound(f"no lease {lease_id}")
-            if lease.worker_id != worker.id:
-                raise Forbidden(f"lease {lease_id} belongs to another worker")
+            lease = self._own_lease(s, lease_id, worker)
             run = s.get(Run, lease.run_id)
             cfg = RunConfig.model_validate_json(run.config_json)
             if "sparta" not in cfg.algorithm:
@@ -438,6 +430,15 @@ class Coordinator:
             if e.k != want_k:
                 raise Unprocessable(f"exchange refused: {e.name} carries {e.k} values; this run exchanges "
                                     f"{want_k} of its {e.numel}")
+
+    @staticmethod
+    def _own_lease(s: Session, lease_id: int, worker: Worker) -> Lease:
+        lease = s.get(Lease, lease_id)
+        if lease is None:
+            raise NotFound(f"no lease {lease_id}")
+        if lease.worker_id != worker.id:
+            raise Forbidden(f"lease {lease_id} belongs to another worker")
+        return lease
 
     def _count_rejection(self, worker_id: int, run_id: int, size: int) -> None:
         with self.sessions() as s:
