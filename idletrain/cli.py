@@ -59,6 +59,10 @@ def _set(d: dict, dotted: str, value) -> None:
 
 RUN_FLAGS = [  # (flag, dotted config key, type, help)
     ("--algorithm", "algorithm", str, "diloco (default) | sparta | sparta+diloco"),
+    ("--n-layer", "model.n_layer", int, "transformer layers"),
+    ("--n-head", "model.n_head", int, "attention heads"),
+    ("--d-model", "model.d_model", int, "model width"),
+    ("--context", "model.context", int, "tokens per training sequence"),
     ("--corpus", "corpus", str, "builtin:stdlib, or a text file/folder on the coordinator's disk"),
     ("--corpus-max-bytes", "corpus_max_bytes", int, "read at most this much of the corpus"),
     ("--shard-tokens", "shard_tokens", int, "tokens per data shard"),

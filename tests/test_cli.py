@@ -5,6 +5,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from shared.config import OuterConfig
+
 from idletrain import cli
 from idletrain.demo import free_port
 
@@ -49,7 +51,7 @@ def no_network(monkeypatch):
     (["--steps", "0"], ["bad run config", "inner.steps"]),
     (["--fraction", "2"], ["bad run config", "compression.fraction"]),
     (["--values", "int3"], ["bad run config", "compression.values"]),
-    (["--compression", "dense"], ["bad run config", "fraction"]),  # dense needs fraction 1.0
+    (["--compression", "dense", "--fraction", "0.5"], ["bad run config", "fraction"]),  # dense sends all
     (["--shard-tokens", "64"], ["bad run config", "shard_tokens"]),
 ])
 def test_run_create_with_an_invalid_value_fails_before_any_request(no_network, capsys, flags, words):
@@ -140,12 +142,19 @@ def test_build_run_config_merges_toml_and_flags(tmp_path):
     assert cfg.inner.steps == 50  # the flag overrides the file
     assert cfg.inner.batch_size == 8 and cfg.inner.lr == 1e-3  # the rest of [inner] stays
     assert (cfg.compression.index, cfg.compression.fraction, cfg.compression.values) == ("random", 0.05, "int4")
-    assert cfg.outer.group == 6 and cfg.outer.lr == 0.7  # unspecified fields keep their defaults
+    assert cfg.outer.group == 6 and cfg.outer.lr == OuterConfig().lr  # unspecified fields keep their defaults
 
 
 def test_build_run_config_without_a_file_uses_defaults_and_flags():
     cfg = cli.build_run_config("plain", None, {"inner.lr": 5e-3, "outer.momentum": None})
-    assert cfg.inner.lr == 5e-3 and cfg.inner.steps == 100 and cfg.outer.momentum == 0.9
+    assert cfg.inner.lr == 5e-3 and cfg.inner.steps == 100 and cfg.outer.momentum == OuterConfig().momentum
+
+
+def test_build_run_config_model_and_algorithm_flags():
+    cfg = cli.build_run_config("m", None, {"model.n_layer": 2, "model.d_model": 64, "algorithm": "sparta",
+                                           "sparta.p": 0.01})
+    assert (cfg.model.n_layer, cfg.model.d_model, cfg.model.n_head) == (2, 64, 4)
+    assert cfg.algorithm == "sparta" and cfg.sparta.p == 0.01
 
 
 def test_build_run_config_rejects_unknown_toml_keys(tmp_path):
