@@ -108,8 +108,9 @@ def plot(rows: list[dict], path: Path, *, title: str) -> None:
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    lows = [min(l for _, l in r["curve"]) for r in rows]
-    ax.set_ylim(min(lows) * 0.95, min(lows) * 1.9)
+    lows = [min(loss for _, loss in r["curve"]) for r in rows]
+    finals = [r["curve"][-1][1] for r in rows]
+    ax.set_ylim(min(lows) * 0.95, max(min(lows) * 1.9, max(finals) * 1.05))  # every final point visible
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
