@@ -43,7 +43,8 @@ def demo_config(*, workers: int, minutes: float) -> RunConfig:
     })
 
 
-def _wait_healthy(client: httpx.Client, proc: subprocess.Popen, timeout_s: float = 60) -> None:
+def wait_healthy(client: httpx.Client, proc: subprocess.Popen, timeout_s: float = 60) -> None:
+    """Wait until the coordinator process answers /healthz; RuntimeError if it dies or stays silent."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -54,7 +55,7 @@ def _wait_healthy(client: httpx.Client, proc: subprocess.Popen, timeout_s: float
         except httpx.TransportError:
             pass
         time.sleep(0.2)
-    raise RuntimeError("the coordinator did not answer /healthz within a minute")
+    raise RuntimeError(f"the coordinator did not answer /healthz within {timeout_s:g} s")
 
 
 def summarise(status: dict) -> dict:
@@ -92,7 +93,7 @@ def run_demo(*, workers: int = 3, minutes: float = 3.0, as_json: bool = False, k
             env=env, stdout=open(logs / "coordinator.log", "w"), stderr=subprocess.STDOUT)
         procs.append(coord)
         client = httpx.Client(base_url=url, timeout=600)
-        _wait_healthy(client, coord)
+        wait_healthy(client, coord)
         cfg = demo_config(workers=workers, minutes=minutes)
         resp = client.post("/api/v1/runs", json=json.loads(cfg.model_dump_json()))
         if resp.status_code != 201:

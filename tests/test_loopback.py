@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from idletrain.demo import free_port
+from idletrain.demo import free_port, wait_healthy
 
 ROUNDS = 4  # per worker
 WORKERS = 2
@@ -34,16 +34,10 @@ def _tail(path: Path, n: int = 3000) -> str:
 
 
 def _wait_healthy(client: httpx.Client, proc: subprocess.Popen, log: Path, timeout_s: float = 60) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, f"coordinator exited with {proc.returncode}:\n{_tail(log)}"
-        try:
-            if client.get("/healthz").status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    pytest.fail(f"coordinator did not answer /healthz within {timeout_s} s:\n{_tail(log)}")
+    try:
+        wait_healthy(client, proc, timeout_s)
+    except RuntimeError as exc:
+        pytest.fail(f"{exc}:\n{_tail(log)}")
 
 
 def _stop(proc: subprocess.Popen, sig: int) -> None:
