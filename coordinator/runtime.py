@@ -98,8 +98,8 @@ class RunRuntime:
         """Process the delta stored as `seq` (which must be version + 1) and write its snapshot.
 
         Replay on restart passes write_snapshot=False: those versions already have their snapshot
-        files and recorded hashes, and re-encoding does not reproduce the same bytes (safetensors
-        orders the metadata keys arbitrarily), so rewriting them would break the served hashes."""
+        files and recorded hashes (written before the version was committed), so rewriting them is
+        wasted work; they would come out byte-identical (shared/snapshot.py encodes deterministically)."""
         if seq != self.version + 1:
             raise RuntimeError(f"merge order broken: next version is {self.version + 1}, got seq {seq}")
         staleness = self.version - base_version
