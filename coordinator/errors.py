@@ -40,3 +40,10 @@ class PayloadTooLarge(ServiceError):
 
 class Unprocessable(ServiceError):
     status_code = 422
+
+
+class TooManyRequests(ServiceError):
+    status_code = 429
+
+    def __init__(self, detail: str, *, retry_after: float) -> None:
+        super().__init__(detail, headers={"Retry-After": str(max(1, int(retry_after + 0.999)))})

@@ -13,7 +13,7 @@ import time
 from sqlalchemy import delete, select, update
 
 from coordinator.models import DeltaRecord, Lease, ModelVersion, Run, utcnow
-from coordinator.runtime import RunRuntime
+from coordinator.runtime import MergeOutcome, RunRuntime
 from coordinator.service import Coordinator
 
 log = logging.getLogger(__name__)
@@ -73,17 +73,17 @@ class Merger:
                 return False
             seq, base = rec.seq, rec.base_version
         t0 = time.perf_counter()
+        cfg = rt.config
+        # The version is committed before the lock is released: an exchange that follows this
+        # merge (and records after_version = this version) can never be ahead of the database.
         with rt.lock:
             out = rt.merge(seq=seq, base_version=base)
-        cfg = rt.config
-        with sessions() as s:
-            s.execute(update(DeltaRecord).where(DeltaRecord.run_id == rt.run_id, DeltaRecord.seq == seq).values(
-                outcome="merged" if out.merged else "rejected", staleness=out.staleness, weight=out.weight,
-                reason=out.reason, merged_at=utcnow()))
-            s.add(ModelVersion(run_id=rt.run_id, version=out.version, sha256=out.snapshot_sha256,
-                               size_bytes=out.snapshot_size))
-            s.execute(update(Run).where(Run.id == rt.run_id).values(version=out.version))
-            s.commit()
+            try:
+                self._commit(rt, seq, out)
+            except Exception:
+                # The weights moved but the database did not: rebuild this run from disk, retry later.
+                self.coord.reload_run(rt.run_id)
+                raise
         if out.version % cfg.eval_every == 0:
             self.coord.evaluate(rt)
         if out.version % self.coord.settings.checkpoint_every == 0:
@@ -92,8 +92,23 @@ class Merger:
             self._gc_snapshots(rt)
         if not out.merged:
             log.warning("run %s: delta %d rejected at merge: %s", cfg.name, seq, out.reason)
+        elif out.clipped:
+            log.warning("run %s: delta %d %s", cfg.name, seq, out.reason)
         log.debug("merged seq %d in %.1f ms", seq, 1000 * (time.perf_counter() - t0))
         return True
+
+    def _commit(self, rt: RunRuntime, seq: int, out: MergeOutcome) -> None:
+        with self.coord.sessions() as s:
+            rec = s.scalar(select(DeltaRecord).where(DeltaRecord.run_id == rt.run_id, DeltaRecord.seq == seq))
+            rec.outcome = "merged" if out.merged else "rejected"
+            rec.staleness, rec.weight, rec.reason, rec.merged_at = out.staleness, out.weight, out.reason, utcnow()
+            rec.norm, rec.cosine = out.norm, out.cosine
+            s.add(ModelVersion(run_id=rt.run_id, version=out.version, sha256=out.snapshot_sha256,
+                               size_bytes=out.snapshot_size))
+            s.execute(update(Run).where(Run.id == rt.run_id).values(version=out.version))
+            s.flush()
+            self.coord.record_merge(s, rec, rt.config)
+            s.commit()
 
     def _gc_snapshots(self, rt: RunRuntime) -> None:
         """Keep the newest versions and any a live lease still points at; older files go."""

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from datetime import datetime, timezone
 
-from sqlalchemy import BigInteger, Boolean, DateTime, Float, ForeignKey, Index, Integer, String, Text, UniqueConstraint
+from sqlalchemy import (BigInteger, Boolean, DateTime, Float, ForeignKey, Index, Integer, LargeBinary, String, Text,
+                        UniqueConstraint)
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 
@@ -21,7 +22,7 @@ class Run(Base):
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     name: Mapped[str] = mapped_column(String(64), unique=True)
     config_json: Mapped[str] = mapped_column(Text)
-    state: Mapped[str] = mapped_column(String(16), default="active")  # active | paused
+    state: Mapped[str] = mapped_column(String(16), default="active")  # creating | active | paused
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     n_params: Mapped[int] = mapped_column(BigInteger)
     version: Mapped[int] = mapped_column(BigInteger, default=0)  # deltas processed so far
@@ -48,6 +49,10 @@ class Worker(Base):
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     last_seen: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     revoked: Mapped[bool] = mapped_column(Boolean, default=False)
+    # Robust merging's verdict on this worker (coordinator/trust.py): ok | throttled | banned.
+    standing: Mapped[str] = mapped_column(String(16), default="ok")
+    standing_reason: Mapped[str | None] = mapped_column(Text, nullable=True)
+    last_lease_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
     # Contribution ledger (per run, since a worker registers with one run).
     tokens_trained: Mapped[int] = mapped_column(BigInteger, default=0)
     deltas_accepted: Mapped[int] = mapped_column(Integer, default=0)
@@ -102,6 +107,8 @@ class DeltaRecord(Base):
     staleness: Mapped[int | None] = mapped_column(Integer, nullable=True)
     weight: Mapped[float | None] = mapped_column(Float, nullable=True)
     reason: Mapped[str | None] = mapped_column(Text, nullable=True)
+    norm: Mapped[float | None] = mapped_column(Float, nullable=True)  # robust merging's measurements
+    cosine: Mapped[float | None] = mapped_column(Float, nullable=True)
     merged_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
 
 
@@ -129,15 +136,20 @@ class EvalResult(Base):
 
 class Exchange(Base):
     """One sparse exchange (sparta): a worker's values mixed into the global model after local
-    step `step` of a lease. Its bytes are not kept; the row makes each (lease, step) count once."""
+    step `step` of a lease, while the model was at `after_version`. The body is kept so a restart
+    replays exchanges and deltas in their original order (ordered by id); the unique (lease, step)
+    makes each exchange count once."""
 
     __tablename__ = "exchanges"
-    __table_args__ = (UniqueConstraint("lease_id", "step"),)
+    __table_args__ = (UniqueConstraint("lease_id", "step"),
+                      Index("ix_exchanges_replay", "run_id", "after_version", "id"))
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     run_id: Mapped[int] = mapped_column(ForeignKey("runs.id"), index=True)
     lease_id: Mapped[int] = mapped_column(ForeignKey("leases.id"))
     worker_id: Mapped[int] = mapped_column(ForeignKey("workers.id"), index=True)
     step: Mapped[int] = mapped_column(Integer)
+    after_version: Mapped[int] = mapped_column(BigInteger)
+    body: Mapped[bytes] = mapped_column(LargeBinary)
     bytes_in: Mapped[int] = mapped_column(Integer)
     bytes_out: Mapped[int] = mapped_column(Integer)
     at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)

@@ -4,8 +4,9 @@ Every method validates first and changes nothing on a refusal. Deltas are acknow
 after their bytes are fsynced and their row committed.
 
 Sparse exchanges (algorithms "sparta" and "sparta+diloco", see `Coordinator.exchange`) change
-the global model between versions; the next merged version's snapshot contains them. They are
-not logged like deltas: after a crash, the exchanges made since the last checkpoint are lost.
+the global model between versions; the next merged version's snapshot contains them. Each one is
+committed with its body and the version it followed, so a restart replays deltas and exchanges
+in their original order.
 """
 
 from __future__ import annotations
@@ -22,10 +23,11 @@ from sqlalchemy import func, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
-from coordinator import scheduler
+from coordinator import scheduler, trust
 from coordinator.db import init_db, make_engine, make_sessionmaker
-from coordinator.errors import Conflict, Forbidden, Gone, NotFound, Unauthorized, Unprocessable
+from coordinator.errors import Conflict, Forbidden, Gone, NotFound, TooManyRequests, Unauthorized, Unprocessable
 from coordinator.models import DeltaRecord, EvalResult, Exchange, Lease, ModelVersion, Run, Shard, Worker, utcnow
+from coordinator.ratelimit import RateLimiter
 from coordinator.runtime import RunRuntime
 from coordinator.settings import CoordinatorSettings
 from coordinator.storage import Storage
@@ -50,6 +52,10 @@ def _aware(dt: datetime) -> datetime:
     return dt if dt.tzinfo else dt.replace(tzinfo=timezone.utc)
 
 
+def _aware_or_none(dt: datetime | None) -> datetime | None:
+    return None if dt is None else _aware(dt)
+
+
 class Coordinator:
     """Owns the database, the blob storage and each run's live state."""
 
@@ -62,6 +68,9 @@ class Coordinator:
         self.runtimes: dict[int, RunRuntime] = {}
         self._runtimes_lock = threading.Lock()
         self._ack_lock = threading.Lock()  # one delta at a time takes the next sequence number
+        self.limiter = RateLimiter({"lease": (settings.lease_rate, settings.lease_burst),
+                                    "upload": (settings.upload_rate, settings.upload_burst),
+                                    "exchange": (settings.exchange_rate, settings.exchange_burst)})
 
     # -- runs ---------------------------------------------------------------------------------
 
@@ -111,26 +120,57 @@ class Coordinator:
                                    train_tokens=int(sum(x.size for x in shards)), eval_tokens=int(corpus.eval.size))
 
     def load_runs(self) -> None:
-        """Rebuild every run's live state: checkpoint, then replay of later processed deltas."""
+        """Rebuild every run's live state: the newest good checkpoint, then a replay of the deltas
+        processed and the exchanges answered after it, in their original order."""
         with self.sessions() as s:
             runs = s.scalars(select(Run).where(Run.state != "creating")).all()
         for run in runs:
-            cfg = RunConfig.model_validate_json(run.config_json)
-            rt = RunRuntime.from_checkpoint(run_id=run.id, config=cfg, storage=self.storage)
-            if rt is None or rt.version > run.version:
-                log.warning("run %s: no usable checkpoint; replaying from version 0", run.name)
-                rt = RunRuntime.fresh(run_id=run.id, config=cfg, storage=self.storage)
+            self._load_run(run)
+
+    def reload_run(self, run_id: int) -> None:
+        """Rebuild one run's live state from disk (the merger's way back after a failed commit)."""
+        with self.sessions() as s:
+            run = s.get(Run, run_id)
+        self._load_run(run)
+
+    def _load_run(self, run: Run) -> None:
+        cfg = RunConfig.model_validate_json(run.config_json)
+        rt = RunRuntime.from_checkpoint(run_id=run.id, config=cfg, storage=self.storage, max_version=run.version)
+        if rt is None:
+            log.warning("run %s: no usable checkpoint; replaying from version 0", run.name)
+            rt = RunRuntime.fresh(run_id=run.id, config=cfg, storage=self.storage)
+        deltas, exchanges = self._replay(rt, run.version)
+        if deltas or exchanges:
+            rt.write_checkpoint()
+        log.info("run %s resumed at version %d (%d deltas replayed, %d exchanges)", run.name, rt.version,
+                 deltas, exchanges)
+        with self._runtimes_lock:
+            self.runtimes[run.id] = rt
+
+    def _replay(self, rt: RunRuntime, up_to: int) -> tuple[int, int]:
+        """Bring `rt` from its checkpoint to version `up_to`: after each version, the exchanges
+        that followed it (by id), then the next delta. Snapshots are already on disk."""
+        with self.sessions() as s:
+            todo = s.execute(select(DeltaRecord.seq, DeltaRecord.base_version).where(
+                DeltaRecord.run_id == rt.run_id, DeltaRecord.seq > rt.version,
+                DeltaRecord.seq <= up_to).order_by(DeltaRecord.seq)).all()
+        n_exchanges = 0
+
+        def exchanges_after(version: int) -> None:
+            nonlocal n_exchanges
             with self.sessions() as s:
-                todo = s.scalars(select(DeltaRecord).where(
-                    DeltaRecord.run_id == run.id, DeltaRecord.seq > rt.version,
-                    DeltaRecord.seq <= run.version).order_by(DeltaRecord.seq)).all()
-            for rec in todo:  # versions already recorded, snapshots already on disk: rebuild the state only
-                rt.merge(seq=rec.seq, base_version=rec.base_version, write_snapshot=False)
-            if todo:
-                rt.write_checkpoint()
-            log.info("run %s resumed at version %d (%d deltas replayed)", run.name, rt.version, len(todo))
-            with self._runtimes_lock:
-                self.runtimes[run.id] = rt
+                rows = s.execute(select(Exchange.id, Exchange.body).where(
+                    Exchange.run_id == rt.run_id, Exchange.after_version == version,
+                    Exchange.id > rt.last_exchange_id).order_by(Exchange.id)).all()
+            for ex_id, body in rows:
+                rt.exchange(codec.decode(body, schema=rt.schema), exchange_id=ex_id)
+                n_exchanges += 1
+
+        exchanges_after(rt.version)
+        for seq, base_version in todo:
+            rt.merge(seq=seq, base_version=base_version, write_snapshot=False)
+            exchanges_after(seq)
+        return len(todo), n_exchanges
 
     def runtime_list(self) -> list[RunRuntime]:
         with self._runtimes_lock:
@@ -151,7 +191,78 @@ class Coordinator:
         with self.sessions() as s:
             return RunConfig.model_validate_json(self._run(s, name).config_json)
 
+    def set_run_state(self, run_name: str, state: str) -> protocol.RunSummary:
+        """Pause (no new leases; deltas and exchanges of live leases still count) or resume a run."""
+        if state not in ("active", "paused"):
+            raise Unprocessable(f"a run can be set active or paused, not {state!r}")
+        with self.sessions() as s:
+            run = self._run(s, run_name)
+            run.state = state
+            s.commit()
+            log.info("run %s is now %s", run.name, state)
+            return protocol.RunSummary(name=run.name, state=run.state, version=run.version,
+                                       created_at=_aware(run.created_at))
+
     # -- workers ------------------------------------------------------------------------------
+
+    @staticmethod
+    def _worker_info(w: Worker) -> protocol.WorkerInfo:
+        return protocol.WorkerInfo(
+            worker_id=w.id, name=w.name, team=w.team, device=w.device, standing=w.standing,
+            standing_reason=w.standing_reason, revoked=w.revoked, created_at=_aware(w.created_at),
+            last_seen=_aware(w.last_seen), tokens_trained=w.tokens_trained, deltas_accepted=w.deltas_accepted,
+            deltas_rejected=w.deltas_rejected, bytes_up=w.bytes_up, bytes_down=w.bytes_down)
+
+    def list_workers(self, run_name: str) -> list[protocol.WorkerInfo]:
+        with self.sessions() as s:
+            run = self._run(s, run_name)
+            return [self._worker_info(w) for w in s.scalars(select(Worker).where(Worker.run_id == run.id)
+                                                             .order_by(Worker.id))]
+
+    def _run_worker(self, s: Session, run_name: str, worker_id: int) -> Worker:
+        run = self._run(s, run_name)
+        w = s.get(Worker, worker_id)
+        if w is None or w.run_id != run.id:
+            raise NotFound(f"run {run_name!r} has no worker {worker_id}")
+        return w
+
+    def revoke_worker(self, run_name: str, worker_id: int) -> protocol.WorkerInfo:
+        """Revoke a worker's token: every later request with it gets 403. Its active lease returns to the queue."""
+        with self.sessions() as s:
+            w = self._run_worker(s, run_name, worker_id)
+            w.revoked = True
+            for lease in s.scalars(select(Lease).where(Lease.worker_id == w.id, Lease.state == "active")):
+                lease.state = "abandoned"
+                s.execute(update(Shard).where(Shard.id == lease.shard_id, Shard.state == "leased")
+                          .values(state="pending"))
+            s.commit()
+            log.warning("run %s: worker %d revoked by the operator", run_name, worker_id)
+            return self._worker_info(w)
+
+    def readmit_worker(self, run_name: str, worker_id: int) -> protocol.WorkerInfo:
+        """Lift a ban or throttle (robust merging's verdict); a revoked token stays revoked."""
+        with self.sessions() as s:
+            w = self._run_worker(s, run_name, worker_id)
+            w.standing, w.standing_reason = "ok", None
+            s.commit()
+            log.warning("run %s: worker %d re-admitted by the operator", run_name, worker_id)
+            return self._worker_info(w)
+
+    def record_merge(self, s: Session, rec: DeltaRecord, cfg: RunConfig) -> None:
+        """After the merger judged `rec`: count a rejection and update the worker's standing."""
+        w = s.get(Worker, rec.worker_id)
+        if w is None:
+            return
+        if rec.outcome == "rejected":
+            w.deltas_rejected += 1
+        outcomes = s.execute(select(DeltaRecord.outcome, DeltaRecord.reason).where(
+            DeltaRecord.worker_id == w.id, DeltaRecord.outcome != "queued")
+            .order_by(DeltaRecord.seq.desc()).limit(trust.RECENT)).all()
+        verdict = trust.standing([tuple(o) for o in reversed(outcomes)], current=w.standing, cfg=cfg.robust)
+        if verdict.state != w.standing:
+            log.warning("run %s: worker %d is now %s: %s", cfg.name, w.id, verdict.state, verdict.reason)
+            w.standing = verdict.state
+            w.standing_reason = verdict.reason
 
     def register_worker(self, run_name: str, req: protocol.RegisterRequest) -> protocol.RegisterResponse:
         with self.sessions() as s:
@@ -178,6 +289,8 @@ class Coordinator:
                 raise Unauthorized("unknown token", headers={"WWW-Authenticate": "Bearer"})
             if worker.revoked:
                 raise Forbidden("this worker's token was revoked by the operator")
+            if worker.standing == "banned":
+                raise Forbidden(f"this worker is banned: {worker.standing_reason}; ask the operator")
             worker.last_seen = utcnow()
             s.commit()
             return worker
@@ -196,7 +309,14 @@ class Coordinator:
             s.commit()
             return len(dead)
 
+    def _rate_limit(self, action: str, worker: Worker) -> None:
+        wait = self.limiter.take(action, worker.id)
+        if wait > 0:
+            raise TooManyRequests(f"too many {action} requests from this worker; retry in {wait:.1f} s",
+                                  retry_after=wait)
+
     def grant_lease(self, run_name: str, worker: Worker) -> protocol.Lease | None:
+        self._rate_limit("lease", worker)
         self.expire_leases()
         with self.sessions() as s:
             run = self._run(s, run_name)
@@ -205,6 +325,16 @@ class Coordinator:
             if run.state != "active":
                 return None
             cfg = RunConfig.model_validate_json(run.config_json)
+            if worker.standing == "throttled":
+                recent = s.scalars(select(DeltaRecord.outcome).where(
+                    DeltaRecord.worker_id == worker.id, DeltaRecord.outcome != "queued")
+                    .order_by(DeltaRecord.seq.desc()).limit(trust.RECENT)).all()
+                wait = trust.throttle_wait(rejections=recent.count("rejected"),
+                                           last_lease_at=_aware_or_none(worker.last_lease_at), now=utcnow(),
+                                           cfg=cfg.robust)
+                if wait > 0:
+                    raise TooManyRequests(f"this worker is throttled ({worker.standing_reason}); "
+                                          f"next lease in {wait:.0f} s", retry_after=wait)
             # A worker asking again has given up its previous lease (it restarted, or lost it).
             for old in s.scalars(select(Lease).where(Lease.worker_id == worker.id, Lease.state == "active")):
                 old.state = "abandoned"
@@ -226,6 +356,7 @@ class Coordinator:
                 return None
             shard.state = "leased"
             now = utcnow()
+            s.execute(update(Worker).where(Worker.id == worker.id).values(last_lease_at=now))
             lr = scheduled_lr(cfg.inner, tokens_done=run.tokens_trained, schedule_tokens=cfg.schedule_tokens)
             lease = Lease(run_id=run.id, worker_id=worker.id, shard_id=shard.id, base_version=run.version,
                           seed=0, lr=lr, deadline=scheduler.lease_deadline(now, cfg.lease_ttl_s), created_at=now)
@@ -279,6 +410,7 @@ class Coordinator:
     # -- deltas -------------------------------------------------------------------------------
 
     def accept_delta(self, lease_id: int, worker: Worker, body: bytes) -> protocol.DeltaAccepted:
+        self._rate_limit("upload", worker)
         digest = hashlib.sha256(body).hexdigest()
         with self.sessions() as s:
             lease = self._own_lease(s, lease_id, worker)
@@ -356,10 +488,10 @@ class Coordinator:
         The centre is pulled toward them (mix_into_centre) under the run's lock and the answer is
         the correction d the worker subtracts. Each (lease, step) counts once (409 after that).
 
-        Known limitation: exchanges are not logged like deltas. The global model they changed is
-        saved by the next snapshot and checkpoint, but after a crash the exchanges made since the
-        last checkpoint are lost (replay re-applies only the deltas).
+        The exchange is committed (with its body and the version it followed) before the answer
+        leaves, so after a crash the restart replays it in its place (see load_runs).
         """
+        self._rate_limit("exchange", worker)
         with self.sessions() as s:
             lease = self._own_lease(s, lease_id, worker)
             run = s.get(Run, lease.run_id)
@@ -391,17 +523,17 @@ class Coordinator:
             before = {e.name: rt.state.params[e.name].view(-1)[torch.from_numpy(e.indices)].clone()
                       for e in sent.entries}
             try:
-                correction = sparta.mix_into_centre(rt.state.params, sent, alpha=cfg.sparta.alpha,
-                                                    values=cfg.sparta.values)
-                answer = codec.encode(correction)
+                answer = codec.encode(rt.exchange(sent))
                 with self.sessions() as s:
-                    s.add(Exchange(run_id=run_id, lease_id=lease_id, worker_id=worker.id, step=step,
-                                   bytes_in=len(body), bytes_out=len(answer)))
+                    row = Exchange(run_id=run_id, lease_id=lease_id, worker_id=worker.id, step=step,
+                                   after_version=rt.version, body=body, bytes_in=len(body), bytes_out=len(answer))
+                    s.add(row)
                     s.execute(update(Run).where(Run.id == run_id).values(
                         bytes_up=Run.bytes_up + len(body), bytes_down_model=Run.bytes_down_model + len(answer)))
                     s.execute(update(Worker).where(Worker.id == worker.id).values(
                         bytes_up=Worker.bytes_up + len(body), bytes_down=Worker.bytes_down + len(answer)))
                     s.commit()
+                    rt.last_exchange_id = row.id
             except BaseException as exc:
                 for e in sent.entries:
                     rt.state.params[e.name].view(-1)[torch.from_numpy(e.indices)] = before[e.name]
@@ -495,6 +627,10 @@ class Coordinator:
             shard_counts = dict(s.execute(select(Shard.state, func.count()).where(Shard.run_id == run.id)
                                           .group_by(Shard.state)).all())
             dense = scheduler.dense_equivalent_bytes(worker_steps=run.worker_steps, n_params=run.n_params)
+            clipped = s.scalar(select(func.count()).select_from(DeltaRecord).where(
+                DeltaRecord.run_id == run.id, DeltaRecord.outcome == "merged", DeltaRecord.reason.is_not(None)))
+            flagged = s.scalars(select(Worker).where(Worker.run_id == run.id, Worker.standing != "ok")
+                                .order_by(Worker.id)).all()
             moved = run.bytes_up + run.bytes_down_model + run.bytes_down_data
             return protocol.RunStatus(
                 name=run.name, state=run.state, algorithm=RunConfig.model_validate_json(run.config_json).algorithm,
@@ -507,7 +643,8 @@ class Coordinator:
                 bytes_down=run.bytes_down_model + run.bytes_down_data, bytes_down_model=run.bytes_down_model,
                 bytes_down_data=run.bytes_down_data, exchanges=exchanges or 0, dense_equivalent_bytes=dense,
                 traffic_ratio_vs_dense=(dense / moved) if moved else None, n_params=run.n_params,
-                shards_total=sum(shard_counts.values()), shards_done=shard_counts.get("done", 0), epoch=run.epoch)
+                shards_total=sum(shard_counts.values()), shards_done=shard_counts.get("done", 0), epoch=run.epoch,
+                clipped_deltas=clipped or 0, workers_flagged=[self._worker_info(w) for w in flagged])
 
     def close(self) -> None:
         self.engine.dispose()

@@ -24,6 +24,13 @@ class CoordinatorSettings(BaseSettings):
     checkpoint_every: int = Field(20, ge=1, description="versions between merger checkpoints")
     merge_idle_s: float = Field(0.05, gt=0, description="merger's sleep when nothing is queued")
     eval_threads: int = Field(1, ge=1, le=256, description="torch threads for merging and evaluation")
+    # Per-worker rate limits (requests per second, burst); 0 turns one off. Over it: 429 + Retry-After.
+    lease_rate: float = Field(2.0, ge=0, description="lease requests per second per worker")
+    lease_burst: float = Field(20.0, ge=1)
+    upload_rate: float = Field(2.0, ge=0, description="delta uploads per second per worker")
+    upload_burst: float = Field(20.0, ge=1)
+    exchange_rate: float = Field(100.0, ge=0, description="sparse exchanges per second per worker")
+    exchange_burst: float = Field(200.0, ge=1)
 
     @model_validator(mode="after")
     def _safe_listen(self) -> CoordinatorSettings:

@@ -47,8 +47,20 @@ class Storage:
     def delta(self, run_id: int, seq: int) -> Path:
         return self.run_dir(run_id) / "deltas" / f"{seq:010d}.delta"
 
-    def checkpoint(self, run_id: int) -> Path:
-        return self.run_dir(run_id) / "checkpoint.safetensors"
+    def checkpoints(self, run_id: int) -> Path:
+        """The folder of a run's checkpoints, one file per version: `<version>.ckpt`."""
+        return self.run_dir(run_id) / "checkpoints"
+
+    def checkpoint(self, run_id: int, version: int) -> Path:
+        return self.checkpoints(run_id) / f"{version:010d}.ckpt"
+
+    def list_checkpoints(self, run_id: int) -> list[tuple[int, Path]]:
+        """(version, path), newest first."""
+        found = []
+        for path in self.checkpoints(run_id).glob("*.ckpt"):
+            if path.stem.isdigit():
+                found.append((int(path.stem), path))
+        return sorted(found, reverse=True)
 
     def write(self, path: Path, data: bytes) -> None:
         atomic_write(path, data)

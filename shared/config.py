@@ -80,6 +80,30 @@ class OuterConfig(_Strict):
     max_staleness: int = Field(1000, ge=0, description="versions a delta may lag before it is refused")
 
 
+class RobustConfig(_Strict):
+    """How the coordinator screens deltas before merging (shared/algorithms/robust.py)."""
+
+    enabled: bool = True
+    window: int = Field(64, ge=1, le=100_000, description="recent merged deltas whose norms define 'normal'")
+    min_history: int = Field(8, ge=1, le=100_000, description="deltas seen before norms are judged")
+    clip_factor: float = Field(3.0, gt=1, description="norms above this x the median are scaled down to it")
+    reject_factor: float = Field(10.0, gt=1, description="norms above this x the median are rejected")
+    bound_factor: float = Field(10.0, ge=0, description="norms above this x (steps * lr * sqrt(params)) are "
+                                                        "rejected from the first delta on; 0 disables")
+    min_cosine: float = Field(-0.1, ge=-1, le=1, description="deltas pointing further against the outer "
+                                                             "momentum than this cosine are rejected")
+    throttle_after: int = Field(2, ge=1, description="rejections among a worker's last 8 deltas that throttle it")
+    ban_after: int = Field(4, ge=1, description="rejections among a worker's last 8 deltas that ban it")
+
+    @model_validator(mode="after")
+    def _ordered(self) -> RobustConfig:
+        if self.reject_factor < self.clip_factor:
+            raise ValueError("reject_factor must be at least clip_factor")
+        if self.ban_after < self.throttle_after:
+            raise ValueError("ban_after must be at least throttle_after")
+        return self
+
+
 class SpartaConfig(_Strict):
     """Sparse elastic averaging with the global model (shared/algorithms/sparta.py)."""
 
@@ -111,6 +135,7 @@ class RunConfig(_Strict):
     compression: CompressionConfig = Field(default_factory=CompressionConfig)
     outer: OuterConfig = Field(default_factory=OuterConfig)
     sparta: SpartaConfig = Field(default_factory=SpartaConfig)
+    robust: RobustConfig = Field(default_factory=RobustConfig)
 
     @field_validator("model", mode="before")
     @classmethod

@@ -79,6 +79,25 @@ class EvalPoint(_Body):
     at: datetime
 
 
+class WorkerInfo(_Body):
+    """One worker as the operator sees it (`idletrain worker list`)."""
+
+    worker_id: int
+    name: str | None
+    team: str | None
+    device: str | None
+    standing: str = Field(description="ok | throttled | banned (robust merging's verdict)")
+    standing_reason: str | None
+    revoked: bool
+    created_at: datetime
+    last_seen: datetime
+    tokens_trained: int
+    deltas_accepted: int
+    deltas_rejected: int
+    bytes_up: int
+    bytes_down: int
+
+
 class RunStatus(_Body):
     name: str = Field(pattern=NAME_PATTERN)
     state: str
@@ -106,6 +125,8 @@ class RunStatus(_Body):
     shards_total: int
     shards_done: int
     epoch: int
+    clipped_deltas: int = Field(0, description="merged after robust merging scaled them down")
+    workers_flagged: list[WorkerInfo] = Field(default_factory=list, description="throttled or banned workers, and why")
 
 
 class RunSummary(_Body):
@@ -118,4 +139,5 @@ class RunSummary(_Body):
 __all__ = [
     "API_PREFIX", "API_VERSION", "DeltaAccepted", "EvalPoint", "H_BASE_VERSION", "H_SHA256", "H_VERSION",
     "Health", "Lease", "RegisterRequest", "RegisterResponse", "RunConfig", "RunCreated", "RunStatus", "RunSummary",
+    "WorkerInfo",
 ]

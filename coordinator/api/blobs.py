@@ -7,7 +7,7 @@ from typing import Annotated
 from fastapi import APIRouter, Path, Request, Response
 from starlette.concurrency import run_in_threadpool
 
-from coordinator.api.deps import CoordinatorDep, CurrentWorker
+from coordinator.api.deps import CoordinatorDep, CurrentWorker, RowId
 from coordinator.errors import Unprocessable
 from shared import protocol
 
@@ -34,7 +34,7 @@ async def snapshot(run: str, request: Request, coord: CoordinatorDep,
 
 
 @router.get("/runs/{run}/shards/{shard}", response_class=Response, responses=_BINARY)
-async def shard(run: str, shard: Annotated[int, Path(ge=0)], coord: CoordinatorDep,
+async def shard(run: str, shard: RowId, coord: CoordinatorDep,
                 worker: CurrentWorker) -> Response:
     """A data shard: zstd-compressed uint8 byte tokens; X-Content-SHA256 is of the raw tokens."""
     blob, sha = await run_in_threadpool(coord.shard, run, shard, worker)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import secrets
 from typing import Annotated
 
-from fastapi import Depends, Request
+from fastapi import Depends, Path, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.concurrency import run_in_threadpool
 
@@ -21,6 +21,9 @@ def get_coordinator(request: Request) -> Coordinator:
 
 
 CoordinatorDep = Annotated[Coordinator, Depends(get_coordinator)]
+# An id or index in the path. The database keeps them in 32-bit INTEGER columns, so a larger number
+# is refused here (422) before a query meets it (SQLite fails past 2**63, PostgreSQL past 2**31: a 500).
+RowId = Annotated[int, Path(ge=0, le=2**31 - 1)]
 Credentials = Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
 
 

@@ -37,3 +37,14 @@ async def run_config(run: str, coord: CoordinatorDep) -> RunConfig:
 async def evaluate(run: str, coord: CoordinatorDep, _: AdminDep) -> protocol.EvalPoint:
     """Evaluate the current global model now (operators; the merger also does it every eval_every)."""
     return await run_in_threadpool(coord.evaluate_now, run)
+
+
+@router.post("/runs/{run}/pause", response_model=protocol.RunSummary)
+async def pause_run(run: str, coord: CoordinatorDep, _: AdminDep) -> protocol.RunSummary:
+    """Stop handing out leases (live leases may still deliver)."""
+    return await run_in_threadpool(coord.set_run_state, run, "paused")
+
+
+@router.post("/runs/{run}/resume", response_model=protocol.RunSummary)
+async def resume_run(run: str, coord: CoordinatorDep, _: AdminDep) -> protocol.RunSummary:
+    return await run_in_threadpool(coord.set_run_state, run, "active")

@@ -8,7 +8,7 @@ from typing import Annotated
 from fastapi import APIRouter, Query, Request, Response
 from starlette.concurrency import run_in_threadpool
 
-from coordinator.api.deps import CoordinatorDep, CurrentWorker
+from coordinator.api.deps import AdminDep, CoordinatorDep, CurrentWorker, RowId
 from coordinator.errors import PayloadTooLarge, ServiceError
 from shared import protocol
 
@@ -19,6 +19,24 @@ router = APIRouter(prefix=protocol.API_PREFIX, tags=["workers"])
 async def register(run: str, req: protocol.RegisterRequest, coord: CoordinatorDep) -> protocol.RegisterResponse:
     """Register a worker with a run; the token in the answer is shown only this once."""
     return await run_in_threadpool(coord.register_worker, run, req)
+
+
+@router.get("/runs/{run}/workers", response_model=list[protocol.WorkerInfo])
+async def list_workers(run: str, coord: CoordinatorDep, _: AdminDep) -> list[protocol.WorkerInfo]:
+    """Every worker of a run: contribution, standing (ok / throttled / banned) and why (operators)."""
+    return await run_in_threadpool(coord.list_workers, run)
+
+
+@router.post("/runs/{run}/workers/{worker_id}/revoke", response_model=protocol.WorkerInfo)
+async def revoke_worker(run: str, worker_id: RowId, coord: CoordinatorDep, _: AdminDep) -> protocol.WorkerInfo:
+    """Revoke a worker's token for good; its live lease goes back to the queue (operators)."""
+    return await run_in_threadpool(coord.revoke_worker, run, worker_id)
+
+
+@router.post("/runs/{run}/workers/{worker_id}/readmit", response_model=protocol.WorkerInfo)
+async def readmit_worker(run: str, worker_id: RowId, coord: CoordinatorDep, _: AdminDep) -> protocol.WorkerInfo:
+    """Lift a ban or throttle that robust merging imposed (operators)."""
+    return await run_in_threadpool(coord.readmit_worker, run, worker_id)
 
 
 @router.post("/runs/{run}/leases", response_model=protocol.Lease,
@@ -37,7 +55,7 @@ _OCTET = {"requestBody": {"required": True, "content": {
 
 @router.post("/leases/{lease_id}/delta", status_code=202, response_model=protocol.DeltaAccepted,
              openapi_extra=_OCTET)
-async def upload_delta(lease_id: int, request: Request, coord: CoordinatorDep,
+async def upload_delta(lease_id: RowId, request: Request, coord: CoordinatorDep,
                        worker: CurrentWorker) -> protocol.DeltaAccepted:
     """Upload the encoded delta of a lease. 202 once it is durably queued for merging."""
     ctype = request.headers.get("content-type", "").split(";")[0].strip()
@@ -49,7 +67,7 @@ async def upload_delta(lease_id: int, request: Request, coord: CoordinatorDep,
 
 @router.post("/leases/{lease_id}/exchange", response_class=Response, openapi_extra=_OCTET, responses={
     200: {"content": {"application/octet-stream": {}}, "description": "the encoded correction (a delta envelope)"}})
-async def exchange(lease_id: int, step: Annotated[int, Query(description="the local step just finished")],
+async def exchange(lease_id: RowId, step: Annotated[int, Query(description="the local step just finished")],
                    request: Request, coord: CoordinatorDep, worker: CurrentWorker) -> Response:
     """A sparse exchange with the global model (algorithms sparta and sparta+diloco): the body is
     the worker's values at this step's seeded indices, the answer the correction it subtracts."""

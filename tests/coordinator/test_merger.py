@@ -167,8 +167,7 @@ def test_restart_resumes_with_identical_weights(tmp_path, open_api, run_config, 
     cfg = RunConfig.model_validate(cfg_dict)
     with open_api(settings) as api:
         api.create_run(cfg_dict)
-        ckpt_path = api.coordinator.storage.checkpoint(api.runtime().run_id)
-        ckpt_v0 = ckpt_path.read_bytes()
+        storage, run_id = api.coordinator.storage, api.runtime().run_id
         up = Uploader(api, make_delta)
         up.deliver(up.lease_all())
         assert api.drain() == 3
@@ -180,14 +179,18 @@ def test_restart_resumes_with_identical_weights(tmp_path, open_api, run_config, 
         assert (st["version"], st["pending_deltas"]) == (3, 2)
         workers = up.workers
 
-    if checkpoint == "corrupt":
-        blob = bytearray(ckpt_path.read_bytes())
+    # shutdown checkpointed version 3; version 0's checkpoint (from run creation) is still kept
+    assert [v for v, _ in storage.list_checkpoints(run_id)] == [3, 0]
+    newest = storage.checkpoint(run_id, 3)
+    if checkpoint == "corrupt":  # the newest fails its hash: fall back to version 0's, replay 3 deltas
+        blob = bytearray(newest.read_bytes())
         blob[len(blob) // 2] ^= 0x01  # one bit in the tensor data
-        ckpt_path.write_bytes(bytes(blob))
+        newest.write_bytes(bytes(blob))
     elif checkpoint == "missing":
-        ckpt_path.unlink()
-    elif checkpoint == "older":
-        ckpt_path.write_bytes(ckpt_v0)  # a valid checkpoint of version 0: replay the 3 merged deltas
+        for _, path in storage.list_checkpoints(run_id):
+            path.unlink()
+    elif checkpoint == "older":  # a half-written newest never got renamed in: version 0's is what there is
+        newest.unlink()
 
     caplog.set_level(logging.INFO, logger="coordinator")
     with open_api(settings) as api:
@@ -205,10 +208,10 @@ def test_restart_resumes_with_identical_weights(tmp_path, open_api, run_config, 
         assert (st["version"], st["merged_deltas"], st["pending_deltas"]) == (3, 3, 2)
         if checkpoint == "corrupt":
             assert "fails its hash" in caplog.text
-        if checkpoint in ("corrupt", "missing"):
+        if checkpoint == "missing":
             assert "replaying from version 0" in caplog.text
         replayed = {"kept": 0, "corrupt": 3, "missing": 3, "older": 3}[checkpoint]
-        assert f"resumed at version 3 ({replayed} deltas replayed)" in caplog.text
+        assert f"resumed at version 3 ({replayed} deltas replayed, 0 exchanges)" in caplog.text
 
         # the acknowledged deltas merge now, once, and the workers carry on with their tokens
         assert api.drain() == 2

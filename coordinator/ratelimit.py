@@ -1,0 +1,35 @@
+"""Per-worker rate limits: a token bucket per (worker, action), in the coordinator's memory.
+
+A bucket holds up to `burst` tokens and refills at `rate` per second; each request takes one.
+An empty bucket answers how long until the next token, which becomes a 429's Retry-After.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+
+class RateLimiter:
+    def __init__(self, limits: dict[str, tuple[float, float]], *, clock: Callable[[], float] = time.monotonic) -> None:
+        """limits: action -> (rate per second, burst); a rate of 0 means unlimited."""
+        self.limits = limits
+        self.clock = clock
+        self._buckets: dict[tuple[str, int], tuple[float, float]] = {}  # -> (tokens, last refill time)
+        self._lock = threading.Lock()
+
+    def take(self, action: str, key: int) -> float:
+        """Take one token; returns 0 if allowed, else the seconds to wait (nothing is taken then)."""
+        rate, burst = self.limits.get(action, (0.0, 0.0))
+        if rate <= 0:
+            return 0.0
+        now = self.clock()
+        with self._lock:
+            tokens, last = self._buckets.get((action, key), (burst, now))
+            tokens = min(burst, tokens + (now - last) * rate)
+            if tokens < 1.0:
+                self._buckets[(action, key)] = (tokens, now)
+                return (1.0 - tokens) / rate
+            self._buckets[(action, key)] = (tokens - 1.0, now)
+            return 0.0

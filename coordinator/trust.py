@@ -1,0 +1,49 @@
+"""A worker's standing, from what robust merging made of its recent deltas (pure).
+
+    rejections among its last RECENT deltas >= ban_after        -> banned   (403 on every request)
+    rejections among its last RECENT deltas >= throttle_after   -> throttled: one lease per
+        throttle_s * 2^(rejections - throttle_after), answered 429 + Retry-After in between
+    otherwise                                                    -> ok
+
+A ban is sticky (a later good delta does not lift it; an operator revokes or re-admits); a
+throttle lifts itself once good deltas push the rejections out of the window.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from datetime import datetime, timedelta
+
+from shared.config import RobustConfig
+
+RECENT = 8  # deltas per worker that count
+THROTTLE_S = 30.0  # base pause between leases for a throttled worker
+
+
+@dataclasses.dataclass(frozen=True)
+class Standing:
+    state: str  # ok | throttled | banned
+    reason: str | None
+
+
+def standing(outcomes: Sequence[tuple[str, str | None]], *, current: str, cfg: RobustConfig) -> Standing:
+    """outcomes: (outcome, reason) of the worker's deltas, oldest first ('merged' / 'rejected')."""
+    if current == "banned":
+        return Standing("banned", None)  # keep the recorded reason
+    recent = list(outcomes)[-RECENT:]
+    rejected = [reason for outcome, reason in recent if outcome == "rejected"]
+    if len(rejected) >= cfg.ban_after:
+        return Standing("banned", f"{len(rejected)} of its last {len(recent)} deltas rejected; last: {rejected[-1]}")
+    if len(rejected) >= cfg.throttle_after:
+        return Standing("throttled",
+                        f"{len(rejected)} of its last {len(recent)} deltas rejected; last: {rejected[-1]}")
+    return Standing("ok", None)
+
+
+def throttle_wait(*, rejections: int, last_lease_at: datetime | None, now: datetime, cfg: RobustConfig) -> float:
+    """Seconds a throttled worker must still wait before its next lease (0 = may lease now)."""
+    if last_lease_at is None:
+        return 0.0
+    pause = timedelta(seconds=THROTTLE_S * 2 ** max(0, rejections - cfg.throttle_after))
+    return max(0.0, (last_lease_at + pause - now).total_seconds())

@@ -1,0 +1,80 @@
+"""Poisoned updates: 1 of 8 workers sends sign-flipped or 100x-scaled deltas. Robust merging
+keeps the model within 2% of the clean run's eval loss, and the operator sees the worker flagged."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from coordinator.settings import CoordinatorSettings
+from shared import codec, protocol
+from tests.conftest import API, schema_of
+from worker.trainer import LocalTrainer
+
+WORKERS, ROUNDS = 8, 6
+ADMIN = "a-very-secret-admin-token"
+
+
+def poison(body: bytes, attack: str, schema) -> bytes:
+    delta = codec.decode(body, schema=schema)
+    factor = -1.0 if attack == "flip" else 100.0
+    entries = tuple(codec.Entry(e.name, e.numel, e.index_kind, codec.ValueKind.FP32,
+                                np.asarray(e.values, dtype=np.float32) * factor, e.indices, e.seed)
+                    for e in delta.entries)
+    return codec.encode(codec.Delta(delta.base_version, entries))
+
+
+def train_run(open_api, tmp_path, run_config, train_delta, attack: str | None) -> tuple[float, dict, list, list]:
+    torch.manual_seed(0)
+    settings = CoordinatorSettings(data_dir=tmp_path / f"coord-{attack}", admin_token=ADMIN)
+    admin = {"Authorization": f"Bearer {ADMIN}"}
+    cfg = run_config(shard_tokens=2048, inner={"steps": 6, "batch_size": 8, "lr": 3e-3, "warmup_steps": 2},
+                     outer={"group": WORKERS}, eval_every=1000)
+    with open_api(settings) as api:
+        api.create_run(cfg, headers=admin)
+        workers = [api.register(name=f"w{i}") for i in range(WORKERS)]
+        trainers = [LocalTrainer(torch.device("cpu")) for _ in range(WORKERS)]
+        refused = []
+        for _ in range(ROUNDS):
+            for i, headers in enumerate(workers):
+                resp = api.client.post(f"{API}/runs/t/leases", headers=headers)
+                if resp.status_code != 200:  # the attacker, throttled (429) or banned (403)
+                    assert i == 0 and attack is not None, resp.text
+                    refused.append(resp.status_code)
+                    continue
+                lease = protocol.Lease.model_validate(resp.json())
+                body = train_delta(api, lease, headers, trainers[i])
+                if i == 0 and attack:
+                    body = poison(body, attack, schema_of(lease))
+                resp = api.upload(lease.lease_id, body, headers)
+                if resp.status_code != 202:
+                    assert i == 0 and attack is not None, resp.text
+                    refused.append(resp.status_code)
+            api.drain()
+        loss = api.client.post(f"{API}/runs/t/evaluate", headers=admin).json()["loss"]
+        status = api.status()
+        listed = api.client.get(f"{API}/runs/t/workers", headers=admin).json()
+        for t in trainers:
+            t.close()
+    return loss, status, listed, refused
+
+
+@pytest.mark.parametrize("attack", ["flip", "scale100"])
+def test_one_poisoned_worker_of_eight(open_api, tmp_path, run_config, train_delta, attack):
+    clean, clean_status, _, _ = train_run(open_api, tmp_path, run_config, train_delta, None)
+    poisoned, status, listed, refused = train_run(open_api, tmp_path, run_config, train_delta, attack)
+    start = status["eval_history"][0]["loss"]
+    assert clean < start - 0.3, (start, clean)  # the run really trains
+    assert clean_status["rejected_deltas"] == 0 and clean_status["workers_flagged"] == []
+    assert poisoned <= clean * 1.02, (attack, clean, poisoned)
+    # the attacker is flagged, with the reason, in status and in the operator's worker list
+    (flagged,) = status["workers_flagged"]
+    assert flagged["name"] == "w0" and flagged["standing"] in ("throttled", "banned")
+    reason = "consensus" if attack == "flip" else ("median" if "median" in flagged["standing_reason"] else "AdamW")
+    assert reason in flagged["standing_reason"]
+    by_name = {w["name"]: w for w in listed}
+    assert by_name["w0"]["deltas_rejected"] >= 2
+    assert all(by_name[f"w{i}"]["standing"] == "ok" and by_name[f"w{i}"]["deltas_rejected"] == 0
+               for i in range(1, WORKERS))
+    assert refused and set(refused) <= {403, 429}  # throttled, then banned: it stops getting work

@@ -1,0 +1,47 @@
+"""A worker's standing (throttled, banned) and the per-worker rate limits: pure policies."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta, timezone
+
+from coordinator.ratelimit import RateLimiter
+from coordinator.trust import THROTTLE_S, standing, throttle_wait
+from shared.config import RobustConfig
+
+CFG = RobustConfig(throttle_after=2, ban_after=4)
+M, R = ("merged", None), ("rejected", "too large")
+
+
+def test_standing_counts_recent_rejections():
+    assert standing([M] * 10, current="ok", cfg=CFG).state == "ok"
+    assert standing([M, R], current="ok", cfg=CFG).state == "ok"  # one rejection is not a pattern
+    s = standing([M, R, M, R], current="ok", cfg=CFG)
+    assert s.state == "throttled" and "2 of its last 4" in s.reason and "too large" in s.reason
+    assert standing([R, R, R, R], current="throttled", cfg=CFG).state == "banned"
+    # old rejections fall out of the window: a throttle lifts itself
+    assert standing([R, R] + [M] * 8, current="throttled", cfg=CFG).state == "ok"
+    # a ban is sticky
+    assert standing([M] * 8, current="banned", cfg=CFG).state == "banned"
+
+
+def test_throttle_wait_doubles_per_extra_rejection():
+    now = datetime(2026, 1, 1, tzinfo=timezone.utc)
+    assert throttle_wait(rejections=2, last_lease_at=None, now=now, cfg=CFG) == 0
+    assert throttle_wait(rejections=2, last_lease_at=now, now=now, cfg=CFG) == THROTTLE_S
+    assert throttle_wait(rejections=3, last_lease_at=now, now=now, cfg=CFG) == 2 * THROTTLE_S
+    later = now + timedelta(seconds=THROTTLE_S + 1)
+    assert throttle_wait(rejections=2, last_lease_at=now, now=later, cfg=CFG) == 0
+
+
+def test_token_bucket_burst_then_rate():
+    t = [0.0]
+    rl = RateLimiter({"lease": (2.0, 3.0), "off": (0.0, 1.0)}, clock=lambda: t[0])
+    assert [rl.take("lease", 1) for _ in range(3)] == [0, 0, 0]
+    wait = rl.take("lease", 1)
+    assert wait == 0.5  # one token every 0.5 s
+    assert rl.take("lease", 2) == 0  # buckets are per worker
+    t[0] += 0.5
+    assert rl.take("lease", 1) == 0
+    assert rl.take("lease", 1) > 0
+    assert all(rl.take("off", 1) == 0 for _ in range(100))  # rate 0: unlimited
+    assert rl.take("unknown", 1) == 0
