@@ -166,7 +166,8 @@ def cmd_worker_run(args: argparse.Namespace) -> int:
 
     fields = {"coordinator": args.coordinator, "run": args.run, "token": args.token, "device": args.device,
               "threads": args.threads, "state_dir": args.state_dir, "name": args.name, "team": args.team,
-              "join_key": args.join_key, "max_rounds": args.max_rounds}
+              "join_key": args.join_key, "max_rounds": args.max_rounds, "max_params": args.max_params,
+              "checkpoint_every_steps": args.checkpoint_every_steps}
     try:
         settings = WorkerSettings(**{k: v for k, v in fields.items() if v is not None})
     except ValidationError as exc:
@@ -254,6 +255,11 @@ def build_parser() -> argparse.ArgumentParser:
     wrun.add_argument("--name", default=None, help="contributor name for the leaderboard")
     wrun.add_argument("--team", default=None)
     wrun.add_argument("--max-rounds", type=int, default=None, help="stop after N delivered rounds")
+    wrun.add_argument("--max-params", type=int, default=None,
+                      help="refuse runs whose model is larger (default 2,000,000,000)")
+    wrun.add_argument("--checkpoint-every-steps", type=int, default=None,
+                      help="save the round in flight every N local steps so a kill resumes it (default 25; 0: "
+                           "only at round end)")
     wrun.set_defaults(func=cmd_worker_run)
 
     st = sub.add_parser("status", help="print a run's progress")

@@ -15,6 +15,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 
+MAX_PARAMS = 20_000_000_000  # beyond anything a volunteer round can hold; workers set their own, lower cap
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     vocab_size: int = 256  # byte-level tokens: no tokenizer to ship or download
@@ -37,6 +40,18 @@ class ModelConfig:
             raise ValueError("ModelConfig.vocab_size above 65536 does not fit the uint16 shard format")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"ModelConfig.dropout must be in [0, 1), got {self.dropout}")
+        if self.n_layer > 512 or self.d_model > 65536 or self.n_head > 4096 or self.context > 1 << 20:
+            raise ValueError("ModelConfig is out of range: n_layer <= 512, d_model <= 65536, n_head <= 4096, "
+                             "context <= 1048576")
+        if self.n_params() > MAX_PARAMS:
+            raise ValueError(f"ModelConfig describes {self.n_params():,} parameters, above the limit of "
+                             f"{MAX_PARAMS:,}")
+
+    def n_params(self) -> int:
+        """The parameter count of TransformerLM(self), computed without building it."""
+        d = self.d_model
+        per_block = 12 * d * d + 13 * d
+        return self.vocab_size * d + self.context * d + self.n_layer * per_block + 2 * d
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

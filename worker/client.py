@@ -1,16 +1,20 @@
 """The HTTP client: the only module of the worker that touches the network (httpx).
 
 Every answer from the coordinator is checked: hashes of snapshots and shards, sizes, and
-the snapshot's contents (safetensors, never pickle). Network errors and 5xx answers are
-retried with exponential backoff and jitter.
+the snapshot's contents (safetensors, never pickle). Network errors, 5xx and 429 answers are
+retried with exponential backoff and jitter (up to max_retries per request); a 429 or 503 that
+says Retry-After is waited out as it asks. Other 4xx answers are never retried.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import random
 import time
+from datetime import UTC, datetime
+from email.utils import parsedate_to_datetime
 
 import httpx
 import zstandard
@@ -19,14 +23,51 @@ from shared import protocol
 
 log = logging.getLogger(__name__)
 
+MAX_RETRY_AFTER_S = 600.0  # a Retry-After longer than this is taken as this
+
+
+def backoff_delay(attempt: int) -> float:
+    """Exponential backoff with jitter: 0.5 s doubling per attempt, capped at 60 s, spread 0.5x..1.5x."""
+    return min(60.0, 0.5 * 2 ** attempt) * (0.5 + random.random())
+
+
+def retry_after_s(value: str | None) -> float | None:
+    """A Retry-After header (seconds or an HTTP date) in seconds, within 0..MAX_RETRY_AFTER_S."""
+    if not value:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        try:
+            when = parsedate_to_datetime(value)
+        except (TypeError, ValueError):
+            return None
+        if when.tzinfo is None:
+            when = when.replace(tzinfo=UTC)
+        seconds = (when - datetime.now(UTC)).total_seconds()
+    if math.isnan(seconds):
+        return None
+    return min(MAX_RETRY_AFTER_S, max(0.0, seconds))
+
 
 class CoordinatorError(Exception):
-    """The coordinator answered with an error; `detail` says why."""
+    """The coordinator answered with an error; `detail` says why, `retry_after` (seconds) when it
+    said how long to wait (429, 503)."""
 
-    def __init__(self, status: int, detail: str) -> None:
+    def __init__(self, status: int, detail: str, retry_after: float | None = None) -> None:
         super().__init__(f"{status}: {detail}")
         self.status = status
         self.detail = detail
+        self.retry_after = retry_after
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Whether waiting and asking again may help: no connection, a timeout, 5xx, 429."""
+    if isinstance(exc, httpx.TransportError):
+        return True
+    if isinstance(exc, CoordinatorError):
+        return exc.status == 0 or exc.status == 429 or exc.status >= 500
+    return False
 
 
 class IntegrityError(Exception):
@@ -60,30 +101,35 @@ class CoordinatorClient:
             except httpx.TransportError as exc:
                 if attempt == retries:
                     raise
-                self._backoff(attempt, f"{method} {url}: {exc!r}")
+                self._backoff(attempt, f"coordinator unreachable ({method} {url}: {exc!r})")
                 continue
-            if resp.status_code >= 500 and attempt < retries:
-                self._backoff(attempt, f"{method} {url}: HTTP {resp.status_code}")
+            code = resp.status_code
+            wait = retry_after_s(resp.headers.get("Retry-After")) if code in (429, 503) else None
+            if (code >= 500 or code == 429) and attempt < retries:
+                self._backoff(attempt, f"{method} {url}: HTTP {code}", wait=wait)
                 continue
-            if resp.status_code >= 400:
+            if code >= 400:
                 try:
                     detail = resp.json().get("detail", resp.text)
                 except ValueError:
                     detail = resp.text
-                raise CoordinatorError(resp.status_code, str(detail))
+                raise CoordinatorError(code, str(detail), retry_after=wait)
             return resp
         raise AssertionError("unreachable")
 
     @staticmethod
-    def _backoff(attempt: int, why: str) -> None:
-        delay = min(60.0, 0.5 * 2 ** attempt) * (0.5 + random.random())  # full jitter around the step
+    def _backoff(attempt: int, why: str, *, wait: float | None = None) -> None:
+        """Sleep before the next attempt: `wait` (the server's Retry-After, plus up to 10% so a crowd
+        of workers does not come back at once) or exponential backoff with jitter."""
+        delay = wait * (1.0 + 0.1 * random.random()) if wait is not None else backoff_delay(attempt)
         log.warning("%s; retrying in %.1fs", why, delay)
         time.sleep(delay)
 
     # -- API ------------------------------------------------------------------------------------
 
-    def health(self) -> protocol.Health:
-        return protocol.Health.model_validate(self._request("GET", "/healthz").json())
+    def health(self, *, max_retries: int | None = None) -> protocol.Health:
+        """/healthz; `max_retries` lowers the retries for this call (the worker waits in its own loop)."""
+        return protocol.Health.model_validate(self._request("GET", "/healthz", max_retries=max_retries).json())
 
     def register(self, run: str, req: protocol.RegisterRequest) -> protocol.RegisterResponse:
         resp = self._request("POST", f"{protocol.API_PREFIX}/runs/{run}/workers", json=req.model_dump())

@@ -2,6 +2,14 @@
 until told to stop.
 
 Ctrl-C once: finish the current lease, deliver it, exit. Twice: exit at once.
+
+Churn: the trainer's state is saved under state_dir/runs/ (worker/state.py) every
+checkpoint_every_steps local steps and at each round's end, and a finished round's delta is saved
+before its upload and forgotten once the coordinator has answered it. A restarted worker first
+delivers that delta (the coordinator answers the same bytes the same way), else finishes the
+round it was in, and only then asks for a new lease (asking gives the previous lease up). A
+coordinator that is down or restarting is waited for, with backoff and jitter, at start and
+between rounds; what was trained meanwhile waits on disk.
 """
 
 from __future__ import annotations
@@ -13,15 +21,22 @@ import signal
 import threading
 from pathlib import Path
 
+import httpx
 import numpy as np
 import torch
 
 from shared import protocol
 from shared.model import ModelConfig, build_model, param_schema
 from shared.snapshot import decode_snapshot
-from worker.client import CoordinatorClient, CoordinatorError
+from worker.client import (
+    CoordinatorClient,
+    CoordinatorError,
+    backoff_delay,
+    is_transient,
+)
 from worker.settings import WorkerSettings
-from worker.trainer import ExchangeFn, LocalTrainer, pick_device
+from worker.state import RoundState, StateStore, TrainerState
+from worker.trainer import ExchangeFn, LocalTrainer, RoundResult, pick_device
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +106,17 @@ class ShardCache:
         os.replace(tmp, self.root / f"{sha}.bin")
 
 
+LEASE_LOST = (404, 409, 410)  # the lease is gone, delivered otherwise, or too stale: take a new one
+# A delta saved before a restart is also dropped on answers that will never change for those bytes.
+REDELIVERY_REFUSED = (400, 403, 404, 409, 410, 413, 422)
+
+
+def _why(exc: BaseException) -> str:
+    if isinstance(exc, CoordinatorError):
+        return f"HTTP {exc.status}: {exc.detail}"
+    return repr(exc)
+
+
 class Worker:
     def __init__(self, settings: WorkerSettings, *, stop: StopFlag | None = None,
                  client: CoordinatorClient | None = None) -> None:
@@ -98,11 +124,13 @@ class Worker:
         self.stop = stop or StopFlag()
         self.tokens = TokenStore(settings.state_dir)
         self.shards = ShardCache(settings.state_dir / "cache")
+        self.store = StateStore(settings.state_dir, settings.coordinator, settings.run)
         self.client = client or CoordinatorClient(settings.coordinator, timeout_s=settings.request_timeout_s,
                                                   max_retries=settings.max_retries)
         self.device = pick_device(settings.device)
         self.trainer = LocalTrainer(self.device)
         self._snapshot: tuple[int, dict[str, torch.Tensor]] | None = None  # (version, params)
+        self._registered = False
         self.rounds = 0
 
     def ensure_token(self) -> None:
@@ -139,42 +167,228 @@ class Worker:
 
         return exchange
 
+    # -- waiting --------------------------------------------------------------------------------
+
+    def _wait(self, attempt: int, exc: BaseException) -> None:
+        """Back off after a transient failure (as long as the coordinator's Retry-After said, when
+        it said). The first Ctrl-C ends the wait."""
+        hint = getattr(exc, "retry_after", None)
+        delay = hint if hint is not None else backoff_delay(attempt)
+        log.warning("coordinator %s unreachable (%s), retrying in %.1fs", self.settings.coordinator, _why(exc), delay)
+        self.stop.event.wait(delay)
+
+    def wait_for_coordinator(self) -> protocol.Health | None:
+        """/healthz, asked until it answers; None when stopped while waiting."""
+        attempt = 0
+        while not self.stop.event.is_set():
+            try:
+                return self.client.health(max_retries=0)
+            except (httpx.TransportError, CoordinatorError) as exc:
+                if not is_transient(exc):
+                    raise
+                self._wait(attempt, exc)
+                attempt += 1
+        return None
+
+    # -- local state ----------------------------------------------------------------------------
+
+    def _save(self, state: TrainerState) -> None:
+        try:
+            self.store.save(state)
+        except OSError as exc:  # a full disk costs the resume, not the round
+            log.warning("cannot save the local training state to %s (%s); going on without", self.store.dir, exc)
+
+    def _save_trainer(self) -> None:
+        if self.trainer.has_state():
+            self._save(self.trainer.export_state())
+
+    def _save_unsent(self, lease: protocol.Lease, body: bytes) -> None:
+        try:
+            self.store.save_unsent(lease, body)
+        except OSError as exc:
+            log.warning("cannot save lease %d's delta to %s (%s); uploading it anyway",
+                        lease.lease_id, self.store.dir, exc)
+
+    def _forget_unsent(self) -> None:
+        try:
+            self.store.clear_unsent()
+        except OSError as exc:
+            log.warning("cannot remove %s (%s)", self.store.unsent_path, exc)
+
+    def _restore(self) -> None:
+        """At start: the trainer as it was between rounds (AdamW state, residual, sparta replica).
+        A round in flight is left to _recover(), which resumes it."""
+        saved = self.store.load()
+        if saved is None:
+            return
+        unsent = self.store.load_unsent()
+        if saved.round is not None and unsent is not None and unsent.lease.lease_id == saved.round.lease.lease_id:
+            # The round ended and its delta was saved, then the worker died before the end-of-round
+            # state: the residual on disk is from before the round and would send again what the
+            # delta carries, and the round must not be trained twice. Keep the rest.
+            log.info("lease %d ended before the restart; its delta is delivered next", unsent.lease.lease_id)
+            saved.round, saved.residual = None, {}
+            fixed = True
+        elif saved.round is not None:
+            return
+        else:
+            fixed = False
+        try:
+            self.trainer.restore_state(saved)
+        except (ValueError, TypeError, KeyError, RuntimeError) as exc:
+            log.warning("local training state in %s does not fit (%s); starting afresh", self.store.dir, exc)
+            self.store.clear()
+            return
+        if fixed:
+            self._save_trainer()
+        log.info("restored the local training state (%d local steps so far)", self.trainer.steps_done)
+
+    def _recover(self) -> None:
+        """Before asking for a lease (which gives up the previous one): deliver the delta saved
+        before a restart or an outage, else finish the round that was interrupted."""
+        unsent = self.store.load_unsent()
+        if unsent is not None:
+            lease = unsent.lease
+            log.info("lease %d: delivering its delta saved before the interruption (%.1f KB)",
+                     lease.lease_id, len(unsent.body) / 1024)
+            ack = self._deliver(lease, unsent.body, redelivery=True)
+            if ack is not None:
+                self.rounds += 1
+                log.info("lease %d: delivered -> v%d%s", lease.lease_id, ack.will_merge_into,
+                         " (it had arrived before)" if ack.duplicate else "")
+            return
+        saved = self.store.load()
+        if saved is None or saved.round is None:
+            return
+        rnd = saved.round
+        try:
+            self.trainer.restore_state(saved)
+        except (ValueError, TypeError, KeyError, RuntimeError) as exc:
+            log.warning("lease %d: the saved round does not fit (%s); dropping it", rnd.lease.lease_id, exc)
+            self.store.clear()
+            return
+        log.info("resuming lease %d at step %d/%d", rnd.lease.lease_id, rnd.step, rnd.lease.inner.steps)
+        self._round(rnd.lease, resume=rnd)
+
+    # -- rounds ---------------------------------------------------------------------------------
+
+    def _deliver(self, lease: protocol.Lease, body: bytes, *,
+                 redelivery: bool = False) -> protocol.DeltaAccepted | None:
+        """Upload a saved delta; forget it once answered. None when refused for good (its content
+        goes back to the residual); transient failures raise and leave it on disk."""
+        try:
+            ack = self.client.upload_delta(lease.lease_id, body)
+        except CoordinatorError as exc:
+            if exc.status not in (REDELIVERY_REFUSED if redelivery else LEASE_LOST):
+                raise
+            log.warning("lease %d: delta refused (%s); taking a new lease", lease.lease_id, _why(exc))
+            self._forget_unsent()  # first: a crash now loses this delta's content, never counts it twice
+            if redelivery:
+                try:
+                    self.trainer.undeliverable_body(body)
+                except ValueError as err:
+                    log.warning("lease %d: the refused delta does not fit the model (%s)", lease.lease_id, err)
+            else:
+                self.trainer.undeliverable()
+            self._save_trainer()
+            return None
+        self._forget_unsent()
+        return ack
+
+    def _check_model(self, lease: protocol.Lease) -> None:
+        """The coordinator is untrusted too: refuse a model this machine was not set up to hold."""
+        try:
+            n = ModelConfig.from_dict(lease.model).n_params()
+        except (TypeError, ValueError) as exc:
+            raise RuntimeError(f"lease {lease.lease_id} describes an invalid model ({exc}); not training it") from None
+        if n > self.settings.max_params:
+            raise RuntimeError(f"run {lease.run!r} trains a model of {n:,} parameters, above this worker's limit of "
+                               f"{self.settings.max_params:,} (--max-params)")
+
+    def _round(self, lease: protocol.Lease, resume: RoundState | None = None) -> None:
+        """Train one lease (or the rest of it), save, deliver."""
+        self._check_model(lease)
+        try:
+            base = None
+            if resume is None and self.trainer.needs_snapshot(lease):
+                base = self._params(lease)
+            tokens = self._tokens(lease)
+        except CoordinatorError as exc:
+            if exc.status not in LEASE_LOST:
+                raise
+            log.warning("lease %d: %s", lease.lease_id, _why(exc))
+            if resume is not None:  # drop the round; keep what the trainer learnt
+                self._save_trainer()
+            return
+        result = self.trainer.train_round(lease, base, tokens, exchange=self._exchange_for(lease.lease_id),
+                                          resume=resume, checkpoint=self._save,
+                                          checkpoint_every=self.settings.checkpoint_every_steps)
+        self._save_unsent(lease, result.body)  # before the trainer's state: see _restore
+        self._save_trainer()
+        ack = self._deliver(lease, result.body)
+        if ack is None:
+            return
+        self.rounds += 1
+        self._log_round(lease, result, ack)
+
+    @staticmethod
+    def _log_round(lease: protocol.Lease, result: RoundResult, ack: protocol.DeltaAccepted) -> None:
+        exchanged = ""
+        if "sparta" in lease.algorithm:
+            exchanged = (f", {result.exchanges} exchanges ({result.exchange_bytes_up / 1024:.1f} KB up, "
+                         f"{result.exchange_bytes_down / 1024:.1f} KB down, {result.exchanges_failed} failed, "
+                         f"{result.exchanges_skipped} skipped)")
+        resumed = f" (resumed at step {result.resumed_at})" if result.resumed_at else ""
+        log.info("lease %d: shard %d from v%d, %d steps%s, loss %.3f -> %.3f, %.0f tok/s, sent %.1f KB -> v%d%s",
+                 lease.lease_id, lease.shard_id, lease.base_version, len(result.losses), resumed, result.losses[0],
+                 result.losses[-1], result.tokens / max(result.seconds, 1e-9), len(result.body) / 1024,
+                 ack.will_merge_into, exchanged)
+
     def run(self) -> int:
         """Train until stopped or max_rounds; returns the number of rounds delivered."""
+        if not self.store.lock():
+            raise RuntimeError(f"another worker process is using {self.store.dir} for run {self.settings.run!r}; "
+                               "give each worker on this machine its own --state-dir")
+        try:
+            return self._run()
+        finally:
+            self.store.unlock()
+
+    def _run(self) -> int:
         s = self.settings
         if s.threads:
             torch.set_num_threads(s.threads)
-        health = self.client.health()
+        health = self.wait_for_coordinator()
+        if health is None:
+            return self.rounds
         if health.api_version != protocol.API_VERSION:
             raise RuntimeError(f"coordinator speaks API v{health.api_version}, this worker v{protocol.API_VERSION}: "
                                "upgrade idletrain")
-        self.ensure_token()
+        self._restore()
+        recover, failures = True, 0
         while not self.stop.event.is_set():
-            lease, wait_s = self.client.lease(s.run)
-            if lease is None:
-                self.stop.event.wait(wait_s)
-                continue
             try:
-                base = self._params(lease) if self.trainer.needs_snapshot(lease) else None
-                result = self.trainer.train_round(lease, base, self._tokens(lease),
-                                                  exchange=self._exchange_for(lease.lease_id))
-                ack = self.client.upload_delta(lease.lease_id, result.body)
-            except CoordinatorError as exc:
-                if exc.status in (404, 409, 410):  # lease lost or too stale: take a new one
-                    log.warning("lease %d: %s", lease.lease_id, exc.detail)
-                    self.trainer.undeliverable()
-                    continue
-                raise
-            self.rounds += 1
-            exchanged = ""
-            if "sparta" in lease.algorithm:
-                exchanged = (f", {result.exchanges} exchanges ({result.exchange_bytes_up / 1024:.1f} KB up, "
-                             f"{result.exchange_bytes_down / 1024:.1f} KB down, {result.exchanges_failed} failed, "
-                             f"{result.exchanges_skipped} skipped)")
-            log.info("lease %d: shard %d from v%d, %d steps, loss %.3f -> %.3f, %.0f tok/s, sent %.1f KB -> v%d%s",
-                     lease.lease_id, lease.shard_id, lease.base_version, len(result.losses), result.losses[0],
-                     result.losses[-1], result.tokens / result.seconds, len(result.body) / 1024,
-                     ack.will_merge_into, exchanged)
+                if not self._registered:
+                    self.ensure_token()
+                    self._registered = True
+                if recover:
+                    self._recover()
+                    recover = False
+                else:
+                    lease, wait_s = self.client.lease(s.run)
+                    if lease is None:
+                        self.stop.event.wait(wait_s)
+                        continue
+                    self._round(lease)
+                failures = 0
+            except (httpx.TransportError, CoordinatorError) as exc:
+                if not is_transient(exc):
+                    raise
+                # The coordinator is down or restarting: wait, then deliver what is on disk first.
+                self._wait(failures, exc)
+                failures += 1
+                recover = True
+                continue
             if s.max_rounds is not None and self.rounds >= s.max_rounds:
                 break
         return self.rounds

@@ -26,10 +26,15 @@ class WorkerSettings(BaseSettings):
     team: str | None = Field(None, max_length=64)
     device: Literal["auto", "cpu", "cuda", "mps"] = "auto"
     threads: int | None = Field(None, ge=1, le=1024, description="torch CPU threads; default: torch's choice")
-    state_dir: Path = Field(default_factory=default_state_dir, description="token and cache live here")
+    state_dir: Path = Field(default_factory=default_state_dir, description="token, cache and training state live here")
     max_rounds: int | None = Field(None, ge=1, description="stop after this many delivered rounds")
     request_timeout_s: float = Field(60.0, gt=0)
     max_retries: int = Field(8, ge=0, description="attempts per request on network errors and 5xx")
+    max_params: int = Field(2_000_000_000, ge=1, description="refuse runs whose model has more parameters "
+                                                              "(the coordinator is not trusted to size it)")
+    checkpoint_every_steps: int = Field(
+        25, ge=0, description="save the round in flight every N local steps (0: only at round end), so a "
+                              "kill or a laptop's sleep resumes it; kept under state_dir/runs/")
 
     @field_validator("coordinator")
     @classmethod

@@ -10,6 +10,11 @@ thread, and the answer (a correction) is applied between later steps, so trainin
 With `sparta` alone the worker's replica is never reset to a snapshot (only the first lease, or a
 new model shape, loads one) and a round ends with an empty delta; `sparta+diloco` resets to the
 lease's snapshot and ends with the compressed pseudo-gradient, as `diloco` does.
+
+Checkpoints: export_state() is everything a restart needs (worker/state.py writes it) and
+restore_state() puts it back; train_round(checkpoint=..., checkpoint_every=N) hands one to the
+caller every N local steps, and train_round(resume=...) continues a round from one, bit for bit
+for diloco (same batches, same AdamW state, same warm-up position).
 """
 
 from __future__ import annotations
@@ -26,12 +31,22 @@ from shared import codec, protocol
 from shared.algorithms import sparta
 from shared.algorithms.compress import compress_with_feedback, delta_to_tensors
 from shared.algorithms.inner import make_optimizer, pseudo_gradient, run_steps
-from shared.model import ModelConfig, TransformerLM, build_model, get_params, set_params
+from shared.config import InnerConfig
+from shared.model import (
+    ModelConfig,
+    TransformerLM,
+    build_model,
+    get_params,
+    param_schema,
+    set_params,
+)
+from worker.state import RoundState, TrainerState, load_optimizer_state, optimizer_state
 
 log = logging.getLogger(__name__)
 
 ALGORITHMS = ("diloco", "sparta", "sparta+diloco")
 ExchangeFn = Callable[[int, bytes], bytes]  # (step, encoded values) -> encoded correction
+CheckpointFn = Callable[[TrainerState], None]
 
 
 def pick_device(requested: str = "auto") -> torch.device:
@@ -50,8 +65,8 @@ def pick_device(requested: str = "auto") -> torch.device:
 @dataclasses.dataclass(frozen=True)
 class RoundResult:
     body: bytes  # the encoded delta
-    losses: list[float]
-    tokens: int
+    losses: list[float]  # every step of the lease, those before a resume included
+    tokens: int  # trained in this call (a resumed round counts only the steps it trained)
     seconds: float
     values_sent: int
     exchanges: int = 0  # answered and applied
@@ -59,6 +74,7 @@ class RoundResult:
     exchanges_skipped: int = 0  # not sent because too many were still in flight
     exchange_bytes_up: int = 0
     exchange_bytes_down: int = 0
+    resumed_at: int = 0  # the local step this call resumed from (0: the round started here)
 
 
 class _RoundExchanges:
@@ -106,7 +122,7 @@ class _RoundExchanges:
                 continue
             try:
                 up, down, correction = fut.result()
-            except Exception as exc:  # a refused or failed exchange costs only itself
+            except Exception as exc:  # noqa: BLE001 -- a refused or failed exchange costs only itself
                 self._failed(step, exc)
                 continue
             sparta.apply_correction(self.params, correction)
@@ -142,6 +158,7 @@ class LocalTrainer:
         self.device = device
         self.model: TransformerLM | None = None
         self.model_cfg: ModelConfig | None = None
+        self.inner_cfg: InnerConfig | None = None  # what the optimizer was made with
         self.opt: torch.optim.Optimizer | None = None
         self.residual: dict[str, torch.Tensor] = {}
         self.steps_done = 0
@@ -161,6 +178,7 @@ class LocalTrainer:
         if self.model is None or cfg != self.model_cfg:
             self.model = build_model(cfg).to(self.device)
             self.model_cfg = cfg
+            self.inner_cfg = lease.inner
             self.opt = make_optimizer(self.model, lease.inner)
             self.residual, self.steps_done, self._replica = {}, 0, False
         return self.model
@@ -173,23 +191,49 @@ class LocalTrainer:
 
     def train_round(self, lease: protocol.Lease, base: Mapping[str, torch.Tensor] | None, tokens: torch.Tensor, *,
                     on_step: Callable[[int, float], None] | None = None,
-                    exchange: ExchangeFn | None = None) -> RoundResult:
+                    exchange: ExchangeFn | None = None,
+                    resume: RoundState | None = None,
+                    checkpoint: CheckpointFn | None = None, checkpoint_every: int = 0) -> RoundResult:
         """One round. `base` (the lease's snapshot) may be None when needs_snapshot() is False.
-        `exchange` sends the sparta exchanges of this lease; without it a sparta round trains alone."""
+        `exchange` sends the sparta exchanges of this lease; without it a sparta round trains alone.
+
+        `checkpoint(state)` is called after every `checkpoint_every` local steps (0: never; not after
+        the last step: the caller saves the round's end itself). `resume` continues the round such
+        a state describes; restore_state() that state first. `on_step` sees the lease's step numbers
+        (a round resumed at step 40 goes on with 41)."""
         if lease.algorithm not in ALGORITHMS:
             raise ValueError(f"this worker does not know the algorithm {lease.algorithm!r} "
                              f"(it knows {', '.join(ALGORITHMS)}): upgrade idletrain")
         t0 = time.perf_counter()
-        keep = not self.needs_snapshot(lease)
+        total = lease.inner.steps
+        start = 0
+        if resume is not None:
+            if resume.lease.lease_id != lease.lease_id:
+                raise ValueError(f"resume state is for lease {resume.lease.lease_id}, not {lease.lease_id}")
+            if self.model is None or ModelConfig.from_dict(lease.model) != self.model_cfg:
+                raise ValueError(f"lease {lease.lease_id}: restore_state() the saved trainer before resuming")
+            start = resume.step
+            if base is None:
+                base = resume.base
+            keep = True  # the model already holds the round's progress
+        else:
+            keep = not self.needs_snapshot(lease)
         model = self._ensure_model(lease)
         if not keep:
             if base is None:
                 raise ValueError(f"lease {lease.lease_id} needs its snapshot (version {lease.base_version})")
             set_params(model, {n: t.to(self.device) for n, t in base.items()})
+        if lease.algorithm != "sparta" and base is None:  # the pseudo-gradient is base - local
+            raise ValueError(f"lease {lease.lease_id} needs the snapshot it started from (version {lease.base_version})")
         self._replica = lease.algorithm == "sparta"
+        round_base = None if lease.algorithm == "sparta" else dict(base)
+
+        gen = torch.Generator().manual_seed(lease.seed)
+        if resume is not None:
+            gen.set_state(resume.generator.clone())
+        losses = list(resume.losses) if resume is not None else []
 
         rx = None
-        step_hook = on_step
         if "sparta" in lease.algorithm:
             if exchange is None:
                 log.warning("lease %d: %s without an exchange callable; training without exchanges",
@@ -200,23 +244,31 @@ class LocalTrainer:
                                                                        thread_name_prefix="idletrain-exchange")
                 live = {n: p.detach() for n, p in model.named_parameters()}
                 rx = _RoundExchanges(self._pool, lease, live, exchange, self.max_exchanges_in_flight)
+                # A resumed sparta round goes on exchanging from its resume step. Exchanges that were in
+                # flight at the interruption are lost, and those made after the last checkpoint are made
+                # again and refused (409): that costs only those corrections, never the round.
 
-                def step_hook(step: int, loss: float) -> None:
-                    rx.after_step(step)
-                    if on_step is not None:
-                        on_step(step, loss)
+        def step_hook(i: int, loss: float) -> None:
+            step = start + i  # the lease's step number
+            losses.append(loss)
+            if rx is not None:
+                rx.after_step(step)
+            if on_step is not None:
+                on_step(step, loss)
+            if checkpoint is not None and checkpoint_every > 0 and step % checkpoint_every == 0 and step < total:
+                checkpoint(self.export_state(RoundState(lease=lease, step=step, losses=list(losses),
+                                                        generator=gen.get_state(), base=round_base)))
 
-        gen = torch.Generator().manual_seed(lease.seed)
         try:
-            losses = run_steps(model, self.opt, tokens, lease.inner, lr=lease.lr, steps=lease.inner.steps,
-                               generator=gen, step_offset=self.steps_done, on_step=step_hook)
+            run_steps(model, self.opt, tokens, lease.inner, lr=lease.lr, steps=total - start, generator=gen,
+                      step_offset=self.steps_done + start, on_step=step_hook)
         except BaseException:
             if rx is not None:
                 rx.finish(0.0)
             raise
         if rx is not None:
             rx.finish(self.exchange_wait_s)
-        self.steps_done += lease.inner.steps
+        self.steps_done += total
 
         if lease.algorithm == "sparta":  # progress travelled through the exchanges; the empty delta closes the lease
             delta = codec.Delta(base_version=lease.base_version, entries=())
@@ -228,13 +280,56 @@ class LocalTrainer:
                                                           base_version=lease.base_version, round_seed=lease.seed)
             body = codec.encode(delta)
             self._last_sent = delta_to_tensors(delta, {n: tuple(t.shape) for n, t in pg.items()})
-        n_tokens = lease.inner.steps * lease.inner.batch_size * model.cfg.context
+        n_tokens = (total - start) * lease.inner.batch_size * model.cfg.context
         return RoundResult(
             body=body, losses=losses, tokens=n_tokens, seconds=time.perf_counter() - t0,
             values_sent=sum(e.k for e in delta.entries),
             exchanges=rx.applied if rx else 0, exchanges_failed=rx.failed if rx else 0,
             exchanges_skipped=rx.skipped if rx else 0, exchange_bytes_up=rx.bytes_up if rx else 0,
-            exchange_bytes_down=rx.bytes_down if rx else 0)
+            exchange_bytes_down=rx.bytes_down if rx else 0, resumed_at=start)
+
+    # -- checkpoints ------------------------------------------------------------------------------
+
+    def has_state(self) -> bool:
+        return self.model is not None
+
+    def export_state(self, round_state: RoundState | None = None) -> TrainerState:
+        """What a restart needs, between rounds (round_state None) or in the middle of one: copies,
+        which later training does not change."""
+        if self.model is None or self.model_cfg is None or self.inner_cfg is None or self.opt is None:
+            raise ValueError("nothing to export: this trainer has not trained yet")
+        return TrainerState(model=self.model_cfg.to_dict(), inner=self.inner_cfg.model_dump(mode="json"),
+                            steps_done=self.steps_done, replica=self._replica, params=get_params(self.model),
+                            optimizer=optimizer_state(self.model, self.opt),
+                            residual={n: t.clone() for n, t in self.residual.items()},
+                            round=round_state)
+
+    def restore_state(self, saved: TrainerState) -> None:
+        """Put an exported state back: model, a fresh optimizer loaded with the saved AdamW state,
+        the residual and the warm-up count. Checks everything first (ValueError), then changes it all."""
+        cfg = ModelConfig.from_dict(saved.model)
+        inner = InnerConfig.model_validate(saved.inner)
+        model = build_model(cfg).to(self.device)
+        set_params(model, {n: t.to(self.device) for n, t in saved.params.items()})
+        opt = make_optimizer(model, inner)
+        load_optimizer_state(model, opt, saved.optimizer)
+        schema = param_schema(model)
+        for name, t in saved.residual.items():
+            if name not in schema or tuple(t.shape) != schema[name]:
+                raise ValueError(f"residual {name}: not a parameter of this model, or of another shape")
+        self.model, self.model_cfg, self.inner_cfg, self.opt = model, cfg, inner, opt
+        self.residual = {n: t.to("cpu", torch.float32, copy=True) for n, t in saved.residual.items()}
+        self.steps_done = int(saved.steps_done)
+        self._replica = bool(saved.replica)
+        self._last_sent = {}
+
+    def undeliverable_body(self, body: bytes) -> None:
+        """As undeliverable(), for a delta known only by its bytes (one saved before a restart)."""
+        if self.model is None or not self.residual:
+            return
+        schema = param_schema(self.model)
+        self._last_sent = delta_to_tensors(codec.decode(body, schema=schema), schema)
+        self.undeliverable()
 
     def undeliverable(self) -> None:
         """The last round's delta never arrived: keep what it carried for the next round

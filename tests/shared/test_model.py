@@ -141,3 +141,16 @@ def test_model_is_causal():
         a, b = model(x)[0], model(y)[0]
     torch.testing.assert_close(a[:, :10], b[:, :10])
     assert not torch.allclose(a[:, 10:], b[:, 10:])
+
+
+@pytest.mark.parametrize("cfg", [ModelConfig(), ModelConfig(n_layer=1, n_head=2, d_model=32, context=32),
+                                 ModelConfig(n_layer=2, n_head=4, d_model=64, context=64, vocab_size=300)])
+def test_n_params_without_building(cfg):
+    assert cfg.n_params() == count_params(build_model(cfg))
+
+
+@pytest.mark.parametrize("kw", [{"n_layer": 100_000}, {"context": 1 << 21},
+                                {"n_layer": 500, "d_model": 65536, "n_head": 64}])
+def test_absurd_model_configs_are_refused_before_anything_is_built(kw):
+    with pytest.raises(ValueError, match="out of range|above the limit"):
+        ModelConfig(**kw)

@@ -1,0 +1,365 @@
+"""The worker's local state on disk, so a kill or a laptop's sleep resumes where it was.
+
+One folder per (coordinator, run): state_dir/runs/<sha256("coordinator|run")[:16]>/, holding
+
+    state.st      the trainer: model, AdamW state, error-feedback residual, warm-up count; and,
+                  while a round is in flight, that round: its lease, the local step reached, the
+                  batch-sampling generator, the snapshot it started from, the losses so far
+    unsent.delta  a finished round's encoded delta, written before the upload and deleted once
+                  the coordinator acknowledged it (202) or refused it for good (404/409/410...)
+
+Each file is "<sha256 hex of the rest>\\n<rest>" (the coordinator's checkpoint layout), written
+atomically: temp file, fsync, rename, fsync of the folder. A file that fails its hash or does
+not parse is set aside as *.corrupt with a warning and treated as absent: a bad state file costs
+the work since the last good one, never the worker. Tensors travel in safetensors and
+everything else in JSON; nothing is ever unpickled (no pickle, no torch.load).
+
+This module touches no network and no trainer: it turns plain objects into files and back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import tempfile
+from pathlib import Path
+
+import safetensors.torch
+import torch
+
+from shared import protocol
+
+log = logging.getLogger(__name__)
+
+FORMAT = 1
+_META_KEY = "idletrain.worker_state"
+_JSON_SCALARS = (bool, int, float, str, type(None))
+
+
+@dataclasses.dataclass
+class OptimizerState:
+    """An AdamW state by parameter name: tensors (exp_avg, exp_avg_sq, step) and any plain
+    numbers, plus each param group's hyper-parameters (without the parameters)."""
+
+    tensors: dict[str, dict[str, torch.Tensor]]
+    scalars: dict[str, dict[str, bool | int | float | None]]
+    groups: list[dict]
+
+
+@dataclasses.dataclass
+class RoundState:
+    """A round in flight, after `step` of its lease's inner steps."""
+
+    lease: protocol.Lease
+    step: int
+    losses: list[float]
+    generator: torch.Tensor  # torch.Generator.get_state() of the batch sampler after `step` batches
+    base: dict[str, torch.Tensor] | None  # the snapshot the round started from (None: not needed, sparta)
+
+
+@dataclasses.dataclass
+class TrainerState:
+    model: dict  # ModelConfig.to_dict()
+    inner: dict  # the InnerConfig the optimizer was made with (JSON)
+    steps_done: int  # the trainer's local steps before the round in flight (all of them between rounds)
+    replica: bool  # sparta: the model is this worker's own replica, kept between leases
+    params: dict[str, torch.Tensor]
+    optimizer: OptimizerState
+    residual: dict[str, torch.Tensor]  # error feedback: what earlier rounds computed but did not send
+    round: RoundState | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class UnsentDelta:
+    lease: protocol.Lease
+    body: bytes
+
+
+# -- the optimizer, flattened by parameter name ---------------------------------------------------
+
+def _param_names(model: torch.nn.Module) -> dict[int, str]:
+    return {id(p): n for n, p in model.named_parameters()}
+
+
+def optimizer_state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> OptimizerState:
+    """The optimizer's state keyed by the model's parameter names: detached CPU copies, so later
+    steps do not change what was taken."""
+    names = _param_names(model)
+    tensors: dict[str, dict[str, torch.Tensor]] = {}
+    scalars: dict[str, dict] = {}
+    for p, st in opt.state.items():
+        name = names.get(id(p))
+        if name is None:
+            raise ValueError("the optimizer holds a parameter the model does not name")
+        for key, value in st.items():
+            if isinstance(value, torch.Tensor):
+                tensors.setdefault(name, {})[key] = value.detach().to("cpu", copy=True).contiguous()
+            elif isinstance(value, _JSON_SCALARS):
+                scalars.setdefault(name, {})[key] = value
+            else:
+                raise TypeError(f"optimizer state {name}/{key} is a {type(value).__name__}, not a tensor or number")
+    groups = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()
+               if k != "params" and isinstance(v, (*_JSON_SCALARS, tuple))} for g in opt.param_groups]
+    return OptimizerState(tensors=tensors, scalars=scalars, groups=groups)
+
+
+def load_optimizer_state(model: torch.nn.Module, opt: torch.optim.Optimizer, saved: OptimizerState) -> None:
+    """Put `saved` into a freshly made optimizer for `model` (same parameter names and shapes)."""
+    own = dict(model.named_parameters())
+    unknown = (set(saved.tensors) | set(saved.scalars)) - set(own)
+    if unknown:
+        raise ValueError(f"optimizer state for parameters the model lacks: {sorted(unknown)[:5]}")
+    if len(saved.groups) != len(opt.param_groups):
+        raise ValueError(f"optimizer state has {len(saved.groups)} param groups, the optimizer {len(opt.param_groups)}")
+    names = _param_names(model)
+    fresh = opt.state_dict()
+    state: dict[int, dict] = {}
+    groups = []
+    for live, packed, saved_group in zip(opt.param_groups, fresh["param_groups"], saved.groups, strict=True):
+        for index, p in zip(packed["params"], live["params"], strict=True):
+            name = names[id(p)]
+            entry: dict = dict(saved.scalars.get(name, {}))
+            for key, t in saved.tensors.get(name, {}).items():
+                if key != "step" and t.shape != p.shape:
+                    raise ValueError(f"optimizer state {name}/{key}: shape {tuple(t.shape)} != {tuple(p.shape)}")
+                entry[key] = t.clone()  # load_state_dict keeps what it is given: never share it with `saved`
+            if entry:
+                state[index] = entry
+        group = dict(packed)
+        for key, value in saved_group.items():
+            if key in group and key != "params":
+                group[key] = tuple(value) if isinstance(group[key], tuple) else value
+        groups.append(group)
+    opt.load_state_dict({"state": state, "param_groups": groups})
+
+
+# -- encoding -------------------------------------------------------------------------------------
+
+def _hashed(raw: bytes) -> bytes:
+    return hashlib.sha256(raw).hexdigest().encode() + b"\n" + raw
+
+
+def _unhashed(blob: bytes) -> bytes:
+    digest, sep, raw = blob.partition(b"\n")
+    if not sep or hashlib.sha256(raw).hexdigest().encode() != digest:
+        raise ValueError("fails its SHA-256 (torn or corrupted)")
+    return raw
+
+
+def _cpu(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().to("cpu").contiguous()
+
+
+def encode_state(state: TrainerState) -> bytes:
+    tensors: dict[str, torch.Tensor] = {}
+    for name, t in state.params.items():
+        tensors[f"params/{name}"] = _cpu(t)
+    for name, t in state.residual.items():
+        tensors[f"residual/{name}"] = _cpu(t)
+    for name, per_key in state.optimizer.tensors.items():
+        for key, t in per_key.items():
+            tensors[f"opt/{name}/{key}"] = _cpu(t)
+    meta: dict = {
+        "format": FORMAT, "names": list(state.params), "residual_names": list(state.residual),
+        "model": state.model, "inner": state.inner, "steps_done": state.steps_done, "replica": state.replica,
+        "optimizer": {"scalars": state.optimizer.scalars, "groups": state.optimizer.groups}, "round": None}
+    rnd = state.round
+    if rnd is not None:
+        tensors["round/generator"] = _cpu(rnd.generator)
+        for name, t in (rnd.base or {}).items():
+            tensors[f"base/{name}"] = _cpu(t)
+        meta["round"] = {"lease": rnd.lease.model_dump(mode="json"), "step": rnd.step,
+                         "losses": [float(x) for x in rnd.losses], "has_base": rnd.base is not None,
+                         "base_names": list(rnd.base or {})}
+    return _hashed(safetensors.torch.save(tensors, metadata={_META_KEY: json.dumps(meta)}))
+
+
+def _metadata(raw: bytes) -> dict:
+    header_len = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + header_len])
+    return json.loads(header["__metadata__"][_META_KEY])
+
+
+def decode_state(blob: bytes) -> TrainerState:
+    """The inverse of encode_state; raises ValueError (or KeyError/TypeError) on anything off."""
+    raw = _unhashed(blob)
+    meta = _metadata(raw)
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"state format {meta.get('format')!r}, this worker reads {FORMAT}")
+    groups: dict[str, dict[str, torch.Tensor]] = {}
+    opt_tensors: dict[str, dict[str, torch.Tensor]] = {}
+    generator = None
+    for key, t in safetensors.torch.load(raw).items():
+        kind, _, rest = key.partition("/")
+        if kind == "opt":
+            name, _, field = rest.rpartition("/")
+            opt_tensors.setdefault(name, {})[field] = t
+        elif kind in ("params", "residual", "base"):
+            groups.setdefault(kind, {})[rest] = t
+        elif key == "round/generator":
+            generator = t
+        else:
+            raise ValueError(f"unexpected tensor {key!r}")
+    # Each dict comes back in the order it was saved in (safetensors does not keep it): a resumed
+    # round then compresses its tensors in the order an uninterrupted one would.
+    names = [str(n) for n in meta["names"]]
+    if not names or set(names) != set(groups.get("params", {})):
+        raise ValueError("the parameters do not match their list of names")
+
+    def ordered(tensors: dict, order: list[str]) -> dict:
+        if not set(tensors) <= set(names):
+            raise ValueError(f"tensors for parameters the model lacks: {sorted(set(tensors) - set(names))[:5]}")
+        if set(order) != set(tensors):
+            raise ValueError("tensors do not match their list of names")
+        return {n: tensors[n] for n in order}
+
+    params = ordered(groups["params"], names)
+    residual = ordered(groups.get("residual", {}), [str(n) for n in meta["residual_names"]])
+    opt_tensors = ordered(opt_tensors, [n for n in names if n in opt_tensors])
+    rnd = None
+    if meta["round"] is not None:
+        r = meta["round"]
+        lease = protocol.Lease.model_validate(r["lease"])
+        step = int(r["step"])
+        if not 0 <= step <= lease.inner.steps:
+            raise ValueError(f"step {step} is outside lease {lease.lease_id}'s {lease.inner.steps} steps")
+        if generator is None or generator.dtype != torch.uint8 or generator.dim() != 1:
+            raise ValueError("the round's generator state is missing or malformed")
+        base = ordered(groups.get("base", {}), [str(n) for n in r["base_names"]]) if r["has_base"] else None
+        if base is not None and set(base) != set(params):
+            raise ValueError("the round's base does not name the model's parameters")
+        losses = [float(x) for x in r["losses"]]
+        if len(losses) != step:
+            raise ValueError(f"{len(losses)} losses for {step} steps")
+        rnd = RoundState(lease=lease, step=step, losses=losses, generator=generator, base=base)
+    opt = meta["optimizer"]
+    return TrainerState(
+        model=dict(meta["model"]), inner=dict(meta["inner"]), steps_done=int(meta["steps_done"]),
+        replica=bool(meta["replica"]), params=params, residual=residual,
+        optimizer=OptimizerState(tensors=opt_tensors, scalars=dict(opt["scalars"]), groups=list(opt["groups"])),
+        round=rnd)
+
+
+def encode_unsent(unsent: UnsentDelta) -> bytes:
+    head = json.dumps({"format": FORMAT, "lease": unsent.lease.model_dump(mode="json")}).encode()
+    return _hashed(head + b"\n" + unsent.body)
+
+
+def decode_unsent(blob: bytes) -> UnsentDelta:
+    head, sep, body = _unhashed(blob).partition(b"\n")
+    meta = json.loads(head)
+    if not sep or meta.get("format") != FORMAT:
+        raise ValueError("not an unsent delta of this format")
+    return UnsentDelta(lease=protocol.Lease.model_validate(meta["lease"]), body=body)
+
+
+# -- files ----------------------------------------------------------------------------------------
+
+def atomic_write(path: Path, data: bytes) -> None:
+    """Temp file, fsync, rename, fsync of the folder: a crash leaves the old file or the new one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    try:  # not every platform can open a folder (Windows); the rename is durable enough there
+        dir_fd = os.open(path.parent, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(dir_fd)
+    except OSError:
+        pass
+    finally:
+        os.close(dir_fd)
+
+
+def store_key(coordinator: str, run: str) -> str:
+    return hashlib.sha256(f"{coordinator}|{run}".encode()).hexdigest()[:16]
+
+
+class StateStore:
+    """The state files of one (coordinator, run). Loads never raise: a missing file is None,
+    a bad one is set aside with a warning and is None too."""
+
+    STATE = "state.st"
+    UNSENT = "unsent.delta"
+
+    def __init__(self, state_dir: Path, coordinator: str, run: str) -> None:
+        self.dir = Path(state_dir) / "runs" / store_key(coordinator, run)
+        self.state_path = self.dir / self.STATE
+        self.unsent_path = self.dir / self.UNSENT
+        self._lock_fd: int | None = None
+
+    def lock(self) -> bool:
+        """Take this folder for this process (an advisory lock the OS drops when the process dies);
+        False when another process holds it. Two workers on one folder would overwrite each other."""
+        if self._lock_fd is not None:
+            return True
+        try:
+            import fcntl
+        except ImportError:  # Windows: no flock; go without
+            return True
+        self.dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.dir / "lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            return False
+        self._lock_fd = fd
+        return True
+
+    def unlock(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # closing the descriptor releases the flock
+            self._lock_fd = None
+
+    def _read(self, path: Path, decode):
+        try:
+            blob = path.read_bytes()
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            log.warning("cannot read %s (%s); ignoring it", path, exc)
+            return None
+        try:
+            return decode(blob)
+        except Exception as exc:  # noqa: BLE001 -- anything at all: a bad file must never stop the worker
+            aside = path.with_name(path.name + ".corrupt")
+            log.warning("local state %s is unusable (%s); ignoring it (kept as %s)", path, exc, aside.name)
+            try:
+                os.replace(path, aside)
+            except OSError:
+                pass
+            return None
+
+    # the trainer and the round in flight
+    def load(self) -> TrainerState | None:
+        return self._read(self.state_path, decode_state)
+
+    def save(self, state: TrainerState) -> None:
+        atomic_write(self.state_path, encode_state(state))
+
+    def clear(self) -> None:
+        self.state_path.unlink(missing_ok=True)
+
+    # a finished round's delta, until the coordinator has answered it
+    def load_unsent(self) -> UnsentDelta | None:
+        return self._read(self.unsent_path, decode_unsent)
+
+    def save_unsent(self, lease: protocol.Lease, body: bytes) -> None:
+        atomic_write(self.unsent_path, encode_unsent(UnsentDelta(lease=lease, body=body)))
+
+    def clear_unsent(self) -> None:
+        self.unsent_path.unlink(missing_ok=True)
+
