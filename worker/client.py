@@ -195,4 +195,5 @@ class CoordinatorClient:
         return resp.content
 
     def status(self, run: str) -> protocol.RunStatus:
-        return protocol.RunStatus.model_validate(self._request("GET", f"{protocol.API_PREFIX}/runs/{run}/status").json())
+        resp = self._request("GET", f"{protocol.API_PREFIX}/runs/{run}/status")
+        return protocol.RunStatus.model_validate(resp.json())

@@ -224,7 +224,8 @@ class LocalTrainer:
                 raise ValueError(f"lease {lease.lease_id} needs its snapshot (version {lease.base_version})")
             set_params(model, {n: t.to(self.device) for n, t in base.items()})
         if lease.algorithm != "sparta" and base is None:  # the pseudo-gradient is base - local
-            raise ValueError(f"lease {lease.lease_id} needs the snapshot it started from (version {lease.base_version})")
+            raise ValueError(f"lease {lease.lease_id} needs the snapshot it started from "
+                             f"(version {lease.base_version})")
         self._replica = lease.algorithm == "sparta"
         round_base = None if lease.algorithm == "sparta" else dict(base)
 

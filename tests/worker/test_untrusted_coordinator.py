@@ -41,9 +41,9 @@ def test_an_invalid_model_config_is_refused(tmp_path, model):
 
 def test_no_pickle_or_torch_load_in_code_that_reads_network_bytes():
     """safetensors, JSON and the delta codec are the only formats either side parses."""
-    pattern = re.compile(r"\bimport\s+(pickle|cloudpickle|dill|shelve|joblib)\b|\bfrom\s+(pickle|cloudpickle|dill|shelve|"
-                         r"joblib)\b|\bpickle\.loads?\(|(?<!safetensors\.)\btorch\.load\(|\bmarshal\.loads?\(|"
-                         r"\bnp\.load\([^)]*allow_pickle\s*=\s*True")
+    unsafe = "pickle|cloudpickle|dill|shelve|joblib"
+    pattern = re.compile(rf"\bimport\s+({unsafe})\b|\bfrom\s+({unsafe})\b|\bpickle\.loads?\(|"
+                         r"(?<!safetensors\.)\btorch\.load\(|\bmarshal\.loads?\(|\bnp\.load\([^)]*allow_pickle\s*=\s*True")
     offenders = [f"{p.relative_to(ROOT)}:{i}" for folder in ("coordinator", "worker", "shared", "idletrain")
                  for p in sorted((ROOT / folder).rglob("*.py"))
                  for i, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
