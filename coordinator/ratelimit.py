@@ -1,4 +1,5 @@
-"""Per-worker rate limits: a token bucket per (worker, action), in the coordinator's memory.
+"""Rate limits: a token bucket per (action, key) in the coordinator's memory; the key is a worker
+id, or the client's address for registration (which comes before any token).
 
 A bucket holds up to `burst` tokens and refills at `rate` per second; each request takes one.
 An empty bucket answers how long until the next token, which becomes a 429's Retry-After.
@@ -8,7 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 
 
 class RateLimiter:
@@ -16,10 +17,10 @@ class RateLimiter:
         """limits: action -> (rate per second, burst); a rate of 0 means unlimited."""
         self.limits = limits
         self.clock = clock
-        self._buckets: dict[tuple[str, int], tuple[float, float]] = {}  # -> (tokens, last refill time)
+        self._buckets: dict[tuple[str, Hashable], tuple[float, float]] = {}  # -> (tokens, last refill time)
         self._lock = threading.Lock()
 
-    def take(self, action: str, key: int) -> float:
+    def take(self, action: str, key: Hashable) -> float:
         """Take one token; returns 0 if allowed, else the seconds to wait (nothing is taken then)."""
         rate, burst = self.limits.get(action, (0.0, 0.0))
         if rate <= 0:

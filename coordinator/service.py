@@ -70,7 +70,8 @@ class Coordinator:
         self._ack_lock = threading.Lock()  # one delta at a time takes the next sequence number
         self.limiter = RateLimiter({"lease": (settings.lease_rate, settings.lease_burst),
                                     "upload": (settings.upload_rate, settings.upload_burst),
-                                    "exchange": (settings.exchange_rate, settings.exchange_burst)})
+                                    "exchange": (settings.exchange_rate, settings.exchange_burst),
+                                    "register": (settings.register_rate, settings.register_burst)})
 
     # -- runs ---------------------------------------------------------------------------------
 
@@ -264,7 +265,11 @@ class Coordinator:
             w.standing = verdict.state
             w.standing_reason = verdict.reason
 
-    def register_worker(self, run_name: str, req: protocol.RegisterRequest) -> protocol.RegisterResponse:
+    def register_worker(self, run_name: str, req: protocol.RegisterRequest, *,
+                        client: str | None = None) -> protocol.RegisterResponse:
+        wait = self.limiter.take("register", client or "?")
+        if wait > 0:
+            raise TooManyRequests(f"too many registrations from {client}; retry in {wait:.1f} s", retry_after=wait)
         with self.sessions() as s:
             run = self._run(s, run_name)
             if run.join_key_hash is not None:
@@ -310,6 +315,7 @@ class Coordinator:
             return len(dead)
 
     def _rate_limit(self, action: str, worker: Worker) -> None:
+        """429 when this worker is over its `action` budget (settings: <action>_rate, <action>_burst)."""
         wait = self.limiter.take(action, worker.id)
         if wait > 0:
             raise TooManyRequests(f"too many {action} requests from this worker; retry in {wait:.1f} s",

@@ -31,6 +31,8 @@ class CoordinatorSettings(BaseSettings):
     upload_burst: float = Field(20.0, ge=1)
     exchange_rate: float = Field(100.0, ge=0, description="sparse exchanges per second per worker")
     exchange_burst: float = Field(200.0, ge=1)
+    register_rate: float = Field(1.0, ge=0, description="worker registrations per second per client address")
+    register_burst: float = Field(100.0, ge=1)
 
     @model_validator(mode="after")
     def _safe_listen(self) -> CoordinatorSettings:

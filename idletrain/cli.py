@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import tomllib
 from pathlib import Path
@@ -147,14 +148,99 @@ def format_status(st: dict) -> str:
             + (f" | {ratio:.0f}x less traffic than dense" if ratio else ""))
 
 
-def cmd_status(args: argparse.Namespace) -> int:
+def _flagged_lines(st: dict) -> list[str]:
+    return [f"  worker {w['worker_id']} ({w['name'] or 'unnamed'}) is {w['standing']}: {w['standing_reason']}"
+            for w in st.get("workers_flagged", [])]
+
+
+def _call(args: argparse.Namespace, method: str, path: str, *, admin: bool = False) -> tuple[int, object]:
+    """One request to the coordinator: (0, JSON answer) or (exit code, None) after printing why."""
+    token = getattr(args, "admin_token", None) or os.environ.get("IDLETRAIN_ADMIN_TOKEN")
     try:
-        resp = httpx.get(f"{args.coordinator}/api/v1/runs/{args.run}/status", timeout=30)
+        resp = httpx.request(method, f"{args.coordinator}/api/v1{path}", timeout=60,
+                             headers=_admin_headers(token) if admin else {})
     except httpx.TransportError as exc:
-        return _fail(f"cannot reach the coordinator at {args.coordinator} ({exc}); is it running?")
-    if resp.status_code != 200:
-        return _fail(f"{resp.status_code}: {_error_detail(resp)}")
-    print(json.dumps(resp.json(), indent=2) if args.json else format_status(resp.json()))
+        return _fail(f"cannot reach the coordinator at {args.coordinator} ({exc}); is it running?"), None
+    if resp.status_code in (401, 403) and admin:
+        return _fail(f"{resp.status_code}: {_error_detail(resp)} (pass --admin-token or set "
+                     "IDLETRAIN_ADMIN_TOKEN)"), None
+    if resp.status_code >= 400:
+        return _fail(f"{resp.status_code}: {_error_detail(resp)}"), None
+    return 0, resp.json()
+
+
+def cmd_run_list(args: argparse.Namespace) -> int:
+    rc, runs = _call(args, "GET", "/runs")
+    if rc:
+        return rc
+    if args.json:
+        print(json.dumps(runs, indent=2))
+    for r in [] if args.json else runs:
+        print(f"{r['name']:<24} {r['state']:<8} version {r['version']:<8} created {r['created_at']}")
+    return 0
+
+
+def cmd_run_show(args: argparse.Namespace) -> int:
+    rc, st = _call(args, "GET", f"/runs/{args.name}/status")
+    if rc:
+        return rc
+    rc, cfg = _call(args, "GET", f"/runs/{args.name}/config")
+    if rc:
+        return rc
+    if args.json:
+        print(json.dumps({"status": st, "config": cfg}, indent=2))
+        return 0
+    print(format_status(st))
+    print(f"  algorithm {cfg['algorithm']}, model {cfg['model']}, H={cfg['inner']['steps']}, "
+          f"compression {cfg['compression']}, outer {cfg['outer']}")
+    print(f"  shards {st['shards_done']}/{st['shards_total']} done (epoch {st['epoch']}), "
+          f"{st['clipped_deltas']} deltas clipped by robust merging")
+    for line in _flagged_lines(st):
+        print(line)
+    return 0
+
+
+def cmd_run_set_state(args: argparse.Namespace) -> int:
+    rc, summary = _call(args, "POST", f"/runs/{args.name}/{args.action}", admin=True)
+    if rc:
+        return rc
+    print(f"run {summary['name']} is {summary['state']}")
+    return 0
+
+
+def cmd_worker_list(args: argparse.Namespace) -> int:
+    rc, workers = _call(args, "GET", f"/runs/{args.run}/workers", admin=True)
+    if rc:
+        return rc
+    if args.json:
+        print(json.dumps(workers, indent=2))
+        return 0
+    print(f"{'id':>5} {'name':<16} {'team':<12} {'device':<6} {'standing':<10} {'tokens':>12} {'accepted':>8} "
+          f"{'rejected':>8}  last seen")
+    for w in workers:
+        standing = "revoked" if w["revoked"] else w["standing"]
+        print(f"{w['worker_id']:>5} {(w['name'] or '-')[:16]:<16} {(w['team'] or '-')[:12]:<12} "
+              f"{(w['device'] or '-'):<6} {standing:<10} {w['tokens_trained']:>12,} {w['deltas_accepted']:>8} "
+              f"{w['deltas_rejected']:>8}  {w['last_seen']}")
+        if w["standing_reason"]:
+            print(f"      why: {w['standing_reason']}")
+    return 0
+
+
+def cmd_worker_admin(args: argparse.Namespace) -> int:
+    rc, w = _call(args, "POST", f"/runs/{args.run}/workers/{args.worker_id}/{args.action}", admin=True)
+    if rc:
+        return rc
+    print(f"worker {w['worker_id']} ({w['name'] or 'unnamed'}): "
+          + ("revoked" if w["revoked"] else f"standing {w['standing']}"))
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    rc, st = _call(args, "GET", f"/runs/{args.run}/status")
+    if rc:
+        return rc
+    print(json.dumps(st, indent=2) if args.json else "\n".join([format_status(st), *_flagged_lines(st)]))
     return 0
 
 
@@ -242,6 +328,21 @@ def build_parser() -> argparse.ArgumentParser:
     for flag, _, typ, hlp in RUN_FLAGS:
         create.add_argument(flag, type=typ, default=None, help=hlp)
     create.set_defaults(func=cmd_run_create)
+    rlist = run.add_parser("list", help="every run on the coordinator")
+    rshow = run.add_parser("show", help="a run's progress, config and flagged workers")
+    rshow.add_argument("name")
+    for sp in (rlist, rshow):
+        sp.add_argument("--coordinator", default="http://127.0.0.1:8000")
+        sp.add_argument("--json", action="store_true")
+    rlist.set_defaults(func=cmd_run_list)
+    rshow.set_defaults(func=cmd_run_show)
+    for action, hlp in (("pause", "stop handing out leases (live leases may still deliver)"),
+                        ("resume", "hand out leases again")):
+        sp = run.add_parser(action, help=hlp)
+        sp.add_argument("name")
+        sp.add_argument("--coordinator", default="http://127.0.0.1:8000")
+        sp.add_argument("--admin-token", default=None, help="default: $IDLETRAIN_ADMIN_TOKEN")
+        sp.set_defaults(func=cmd_run_set_state)
 
     wk = sub.add_parser("worker", help="run a worker").add_subparsers(dest="action", required=True)
     wrun = wk.add_parser("run", help="train for a run until Ctrl-C (once: finish the lease; twice: now)")
@@ -261,6 +362,18 @@ def build_parser() -> argparse.ArgumentParser:
                       help="save the round in flight every N local steps so a kill resumes it (default 25; 0: "
                            "only at round end)")
     wrun.set_defaults(func=cmd_worker_run)
+    wlist = wk.add_parser("list", help="a run's workers: contribution, standing and why (operators)")
+    wlist.add_argument("--json", action="store_true")
+    wlist.set_defaults(func=cmd_worker_list)
+    wrevoke = wk.add_parser("revoke", help="revoke a worker's token for good (operators)")
+    wreadmit = wk.add_parser("readmit", help="lift a ban or throttle robust merging imposed (operators)")
+    for sp in (wrevoke, wreadmit):
+        sp.add_argument("worker_id", type=int)
+        sp.set_defaults(func=cmd_worker_admin)
+    for sp in (wlist, wrevoke, wreadmit):
+        sp.add_argument("--run", required=True)
+        sp.add_argument("--coordinator", default="http://127.0.0.1:8000")
+        sp.add_argument("--admin-token", default=None, help="default: $IDLETRAIN_ADMIN_TOKEN")
 
     st = sub.add_parser("status", help="print a run's progress")
     st.add_argument("--coordinator", default="http://127.0.0.1:8000")

@@ -11,7 +11,8 @@ from idletrain import cli
 from idletrain.demo import free_port
 
 SUBCOMMANDS = [[], ["coordinator"], ["coordinator", "serve"], ["run"], ["run", "create"], ["worker"],
-               ["worker", "run"], ["status"], ["demo"]]
+               ["worker", "run"], ["status"], ["demo"], ["run", "list"], ["run", "show"], ["run", "pause"],
+               ["run", "resume"], ["worker", "list"], ["worker", "revoke"], ["worker", "readmit"]]
 
 
 @pytest.mark.parametrize("argv", SUBCOMMANDS, ids=lambda a: " ".join(a) or "idletrain")

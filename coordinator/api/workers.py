@@ -16,9 +16,11 @@ router = APIRouter(prefix=protocol.API_PREFIX, tags=["workers"])
 
 
 @router.post("/runs/{run}/workers", status_code=201, response_model=protocol.RegisterResponse)
-async def register(run: str, req: protocol.RegisterRequest, coord: CoordinatorDep) -> protocol.RegisterResponse:
+async def register(run: str, req: protocol.RegisterRequest, request: Request,
+                   coord: CoordinatorDep) -> protocol.RegisterResponse:
     """Register a worker with a run; the token in the answer is shown only this once."""
-    return await run_in_threadpool(coord.register_worker, run, req)
+    client = request.client.host if request.client else None
+    return await run_in_threadpool(coord.register_worker, run, req, client=client)
 
 
 @router.get("/runs/{run}/workers", response_model=list[protocol.WorkerInfo])
