@@ -5,7 +5,10 @@
     api/          routes (thin) and the error -> HTTP mapping
     service.py    Coordinator: every operation, validated, transactional
     scheduler.py  lease policy (pure): next shard, deadlines, seeds, traffic accounting
-    runtime.py    a run's live state: global weights, outer optimizer, snapshots, checkpoints, eval
+    trust.py      worker standing (pure): ok / throttled / banned from robust merging's verdicts
+    ratelimit.py  per-worker (and per-address) token buckets -> 429 + Retry-After
+    runtime.py    a run's live state: global weights, outer optimizer, robust screening, snapshots,
+                  rotated checkpoints, exchanges, eval
     merger.py     the single merger thread: apply deltas in order, evaluate, checkpoint, GC
     models.py     database schema;  db.py  engine and sessions;  storage.py  atomic blob files
 """
