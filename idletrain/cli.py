@@ -244,6 +244,71 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _fetch_model(args: argparse.Namespace, version: str):
+    """(params, metadata, ModelConfig) of a run's snapshot, checked like a worker checks it."""
+    import hashlib
+
+    from shared.model import ModelConfig, build_model, param_schema
+    from shared.snapshot import decode_snapshot
+
+    rc, cfg = _call(args, "GET", f"/runs/{args.run}/config")
+    if rc:
+        return rc, None
+    try:
+        resp = httpx.get(f"{args.coordinator}/api/v1/runs/{args.run}/snapshots/{version}", timeout=600)
+    except httpx.TransportError as exc:
+        return _fail(f"cannot reach the coordinator at {args.coordinator} ({exc}); is it running?"), None
+    if resp.status_code != 200:
+        return _fail(f"{resp.status_code}: {_error_detail(resp)}"), None
+    if hashlib.sha256(resp.content).hexdigest() != resp.headers.get("x-content-sha256"):
+        return _fail("the snapshot does not match its X-Content-SHA256 header; try again"), None
+    model_cfg = ModelConfig.from_dict(cfg["model"])
+    params, meta = decode_snapshot(resp.content, schema=param_schema(build_model(model_cfg)))
+    return 0, (params, {**meta, "version": resp.headers.get("x-model-version", meta.get("version", "?"))}, model_cfg)
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    import safetensors.torch
+
+    out = Path(args.out)
+    if out.suffix != ".safetensors":
+        return _fail(f"write the model to a .safetensors file, not {out.name!r}")
+    rc, got = _fetch_model(args, args.version)
+    if rc:
+        return rc
+    params, meta, model_cfg = got
+    metadata = {"run": args.run, "version": str(meta["version"]), "model": json.dumps(model_cfg.to_dict()),
+                "format": "idletrain TransformerLM (byte-level); shared.model.build_model(ModelConfig(**model))"}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    safetensors.torch.save_file({n: t.contiguous() for n, t in params.items()}, str(out), metadata=metadata)
+    n = sum(t.numel() for t in params.values())
+    print(f"wrote {out}: run {args.run} version {meta['version']}, {n:,} parameters")
+    return 0
+
+
+def cmd_sample(args: argparse.Namespace) -> int:
+    import torch
+
+    from shared.model import build_model, generate, set_params
+
+    if args.tokens < 1 or args.tokens > 100_000:
+        return _fail("--tokens must be between 1 and 100000")
+    if args.temperature < 0:
+        return _fail("--temperature must be 0 (greedy) or more")
+    rc, got = _fetch_model(args, args.version)
+    if rc:
+        return rc
+    params, meta, model_cfg = got
+    model = build_model(model_cfg)
+    set_params(model, params)
+    gen = torch.Generator().manual_seed(args.seed)
+    text = generate(model, args.prompt.encode(), max_new_tokens=args.tokens, temperature=args.temperature,
+                    top_k=args.top_k or None, generator=gen)
+    print(f"# run {args.run}, version {meta['version']}", file=sys.stderr)
+    sys.stdout.write(args.prompt + text.decode("utf-8", errors="replace") + "\n")
+    return 0
+
+
 # -- worker -----------------------------------------------------------------------------------
 
 def cmd_worker_run(args: argparse.Namespace) -> int:
@@ -374,6 +439,20 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--run", required=True)
         sp.add_argument("--coordinator", default="http://127.0.0.1:8000")
         sp.add_argument("--admin-token", default=None, help="default: $IDLETRAIN_ADMIN_TOKEN")
+
+    exp = sub.add_parser("export", help="save a run's model as a .safetensors file")
+    exp.add_argument("out", metavar="OUT.safetensors")
+    smp = sub.add_parser("sample", help="generate text from a run's current model")
+    smp.add_argument("--prompt", default="def ", help="text to continue (default 'def ')")
+    smp.add_argument("--tokens", type=int, default=300, help="bytes to generate (default 300)")
+    smp.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default 0.8)")
+    smp.add_argument("--top-k", type=int, default=40, help="sample among the k likeliest bytes; 0 = all")
+    smp.add_argument("--seed", type=int, default=0)
+    for sp, func in ((exp, cmd_export), (smp, cmd_sample)):
+        sp.add_argument("--run", required=True)
+        sp.add_argument("--version", default="latest", help="a version number or 'latest' (default)")
+        sp.add_argument("--coordinator", default="http://127.0.0.1:8000")
+        sp.set_defaults(func=func)
 
     st = sub.add_parser("status", help="print a run's progress")
     st.add_argument("--coordinator", default="http://127.0.0.1:8000")

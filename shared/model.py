@@ -195,3 +195,36 @@ def evaluate_loss(model: nn.Module, tokens: torch.Tensor, *, context: int, batch
         count += window.shape[0]
     model.train(was_training)
     return total / count
+
+
+@torch.no_grad()
+def generate(model: TransformerLM, prompt: bytes, *, max_new_tokens: int = 200, temperature: float = 0.8,
+             top_k: int | None = 40, generator: torch.Generator | None = None) -> bytes:
+    """Continue `prompt` byte by byte (the model's tokens are bytes); returns only the new bytes.
+
+    temperature 0 is greedy; top_k keeps the k likeliest bytes before sampling."""
+    if max_new_tokens < 0:
+        raise ValueError("max_new_tokens must be >= 0")
+    if temperature < 0:
+        raise ValueError("temperature must be >= 0")
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    idx = torch.tensor([list(prompt) or [ord("\n")]], dtype=torch.long, device=device)
+    out = []
+    for _ in range(max_new_tokens):
+        logits, _ = model(idx[:, -model.cfg.context:])
+        logits = logits[:, -1, :].float()
+        logits[:, 256:] = float("-inf")  # only byte values decode to text
+        if temperature == 0:
+            nxt = logits.argmax(dim=-1, keepdim=True)
+        else:
+            logits = logits / temperature
+            if top_k is not None and top_k < logits.shape[-1]:
+                kth = torch.topk(logits, top_k).values[:, -1:]
+                logits = logits.masked_fill(logits < kth, float("-inf"))
+            nxt = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator)
+        idx = torch.cat([idx, nxt], dim=1)
+        out.append(int(nxt.item()))
+    model.train(was_training)
+    return bytes(out)

@@ -12,7 +12,7 @@ from idletrain.demo import free_port
 
 SUBCOMMANDS = [[], ["coordinator"], ["coordinator", "serve"], ["run"], ["run", "create"], ["worker"],
                ["worker", "run"], ["status"], ["demo"], ["run", "list"], ["run", "show"], ["run", "pause"],
-               ["run", "resume"], ["worker", "list"], ["worker", "revoke"], ["worker", "readmit"]]
+               ["run", "resume"], ["worker", "list"], ["worker", "revoke"], ["worker", "readmit"], ["export"], ["sample"]]
 
 
 @pytest.mark.parametrize("argv", SUBCOMMANDS, ids=lambda a: " ".join(a) or "idletrain")
