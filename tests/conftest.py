@@ -2,7 +2,9 @@
 
     corpus_dir      a small folder of repetitive text files (fast to load, loss falls quickly)
     run_config      factory of tiny RunConfig dicts (one layer, width 32, context 32, 3 steps)
-    settings        CoordinatorSettings on a tmp data dir (SQLite there)
+    db_url          the test's database: None (SQLite in the data dir) or a fresh PostgreSQL schema;
+                    every test that uses `settings`, `open_api` or `api` runs on both
+    settings        CoordinatorSettings on a tmp data dir (and db_url's database)
     open_api        context manager: a TestClient over create_app(start_merger=False), wrapped in Api
     api             open_api(settings) for the length of one test
     run             the tiny run "t" created on `api` (its RunConfig)
@@ -18,8 +20,10 @@ from __future__ import annotations
 import contextlib
 import copy
 import hashlib
+import os
 import random
 import struct
+import uuid
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -52,6 +56,67 @@ _WORDS = ("the model learns from bytes while idle machines train one shared netw
 def pytest_configure(config: pytest.Config) -> None:
     # `slow` is declared in pyproject; tests marked with it still run by default (deselect with -m "not slow").
     config.addinivalue_line("filterwarnings", "ignore::starlette.exceptions.StarletteDeprecationWarning")
+
+
+# -- the database backends ----------------------------------------------------------------------
+
+PG_URL = os.environ.get("IDLETRAIN_TEST_POSTGRES", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
+DB_FIXTURES = {"settings", "open_api", "api", "db_url"}
+_pg: dict[str, object] = {}
+
+
+def postgres_reason() -> str | None:
+    """None when PostgreSQL answers at PG_URL, else why not (checked once per session)."""
+    if "reason" not in _pg:
+        try:
+            import psycopg  # noqa: F401
+            from sqlalchemy import create_engine, text
+
+            engine = create_engine(PG_URL, connect_args={"connect_timeout": 3})
+            with engine.connect() as conn:
+                conn.execute(text("select 1"))
+            engine.dispose()
+            _pg["reason"] = None
+        except Exception as exc:  # no driver, no server, no database: all mean "cannot test it here"
+            _pg["reason"] = f"PostgreSQL is not reachable at {PG_URL} ({type(exc).__name__}: {exc})"
+    return _pg["reason"]  # type: ignore[return-value]
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if DB_FIXTURES & set(metafunc.fixturenames) and "db_backend" not in metafunc.fixturenames:
+        metafunc.fixturenames.append("db_backend")
+    if "db_backend" in metafunc.fixturenames:
+        metafunc.parametrize("db_backend", ["sqlite", "postgresql"], scope="function")
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
+    reason = _pg.get("reason")
+    if reason:
+        terminalreporter.write_sep("!", "PostgreSQL tests SKIPPED", red=True, bold=True)
+        terminalreporter.write_line(f"{reason}; start it (see .ci/run) to test the PostgreSQL backend", red=True)
+
+
+@pytest.fixture
+def db_url(db_backend: str) -> Iterator[str | None]:
+    """A fresh, empty PostgreSQL schema for this test (dropped after), or None for SQLite."""
+    if db_backend == "sqlite":
+        yield None
+        return
+    reason = postgres_reason()
+    if reason:
+        pytest.skip(reason)
+    from sqlalchemy import create_engine, text
+
+    schema = f"t_{uuid.uuid4().hex[:16]}"
+    admin = create_engine(PG_URL)
+    with admin.begin() as conn:
+        conn.execute(text(f'CREATE SCHEMA "{schema}"'))
+    try:
+        yield f"{PG_URL}?options=-csearch_path%3D{schema}"
+    finally:
+        with admin.begin() as conn:
+            conn.execute(text(f'DROP SCHEMA "{schema}" CASCADE'))
+        admin.dispose()
 
 
 def write_corpus(root: Path, *, n_files: int = 40, file_bytes: int = 1000, seed: int = 0) -> Path:
@@ -99,8 +164,8 @@ def run_config(corpus_dir: Path):
 
 
 @pytest.fixture
-def settings(tmp_path: Path) -> CoordinatorSettings:
-    return CoordinatorSettings(data_dir=tmp_path / "coordinator")
+def settings(tmp_path: Path, db_url: str | None) -> CoordinatorSettings:
+    return CoordinatorSettings(data_dir=tmp_path / "coordinator", database_url=db_url)
 
 
 class Api:
@@ -169,11 +234,14 @@ class Api:
 
 
 @pytest.fixture
-def open_api():
-    """open_api(settings) -> context manager yielding an Api; leaving it shuts the app down."""
+def open_api(db_url: str | None):
+    """open_api(settings) -> context manager yielding an Api; leaving it shuts the app down.
+    Settings without a database URL get the test's (so every API test runs on both backends)."""
 
     @contextlib.contextmanager
     def _open(settings: CoordinatorSettings) -> Iterator[Api]:
+        if settings.database_url is None and db_url is not None:
+            settings = settings.model_copy(update={"database_url": db_url})
         with TestClient(create_app(settings, start_merger=False)) as client:
             yield Api(client)
 

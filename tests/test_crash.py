@@ -89,14 +89,15 @@ class UploadingWorker(threading.Thread):
             self.client.close()
 
 
-def _serve(data_dir: Path, port: int, log: Path) -> subprocess.Popen:
+def _serve(data_dir: Path, port: int, log: Path, db_url: str | None) -> subprocess.Popen:
+    db = ["--database-url", db_url] if db_url else []
     return subprocess.Popen([sys.executable, "-m", "idletrain", "coordinator", "serve", "--port", str(port),
-                             "--data-dir", str(data_dir)], stdout=log.open("ab"), stderr=subprocess.STDOUT,
+                             "--data-dir", str(data_dir), *db], stdout=log.open("ab"), stderr=subprocess.STDOUT,
                             env=_env())
 
 
 @pytest.mark.slow
-def test_sigkill_at_random_moments_loses_and_doubles_nothing(tmp_path: Path, corpus_dir: Path):
+def test_sigkill_at_random_moments_loses_and_doubles_nothing(tmp_path: Path, corpus_dir: Path, db_url: str | None):
     rng = random.Random(1234)
     port, data_dir, log = free_port(), tmp_path / "coord", tmp_path / "coordinator.log"
     url = f"http://127.0.0.1:{port}"
@@ -105,7 +106,7 @@ def test_sigkill_at_random_moments_loses_and_doubles_nothing(tmp_path: Path, cor
         "eval_tokens": 4096, "eval_every": 3, "model": {"n_layer": 1, "n_head": 2, "d_model": 32, "context": 32},
         "inner": {"steps": 3, "batch_size": 2}, "outer": {"group": 3},
         "compression": {"index": "dense", "values": "int8", "error_feedback": False}})
-    proc = _serve(data_dir, port, log)
+    proc = _serve(data_dir, port, log, db_url)
     http = httpx.Client(base_url=url, timeout=30)
     workers: list[UploadingWorker] = []
     try:
@@ -130,7 +131,7 @@ def test_sigkill_at_random_moments_loses_and_doubles_nothing(tmp_path: Path, cor
             proc.wait(timeout=10)
             with lock:
                 acked_at_kill.append(len(acks))
-            proc = _serve(data_dir, port, log)
+            proc = _serve(data_dir, port, log, db_url)
             _wait_healthy(http, proc, log)
         deadline = time.monotonic() + 120
         while len(acks) < acked_at_kill[-1] + AFTER_LAST and not stop.is_set() and time.monotonic() < deadline:
@@ -157,7 +158,7 @@ def test_sigkill_at_random_moments_loses_and_doubles_nothing(tmp_path: Path, cor
         assert st["version"] == len(acks)
 
         # the database recorded exactly what the workers were told, byte for byte
-        engine = create_engine(f"sqlite:///{data_dir / 'idletrain.sqlite3'}")
+        engine = create_engine(db_url or f"sqlite:///{data_dir / 'idletrain.sqlite3'}")
         with Session(engine) as s:
             rows = s.execute(select(DeltaRecord.lease_id, DeltaRecord.seq, DeltaRecord.outcome, DeltaRecord.reason)
                              .order_by(DeltaRecord.seq)).all()

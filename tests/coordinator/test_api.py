@@ -490,3 +490,7 @@ def test_admin_token_guards_operator_actions(tmp_path, open_api, run_config):
         assert api.status()["version"] == 0
         headers = api.register()
         assert api.lease(headers).base_version == 0
+
+
+def test_the_coordinator_runs_on_the_backend_asked_for(api, db_backend):
+    assert api.coordinator.engine.dialect.name == db_backend

@@ -29,16 +29,17 @@ def train_run(open_api, tmp_path, run_config, train_delta, attack: str | None) -
     torch.manual_seed(0)
     settings = CoordinatorSettings(data_dir=tmp_path / f"coord-{attack}", admin_token=ADMIN)
     admin = {"Authorization": f"Bearer {ADMIN}"}
-    cfg = run_config(shard_tokens=2048, inner={"steps": 6, "batch_size": 8, "lr": 3e-3, "warmup_steps": 2},
+    name = attack or "clean"  # both runs may share one database (the PostgreSQL variant): distinct names
+    cfg = run_config(name, shard_tokens=2048, inner={"steps": 6, "batch_size": 8, "lr": 3e-3, "warmup_steps": 2},
                      outer={"group": WORKERS}, eval_every=1000)
     with open_api(settings) as api:
         api.create_run(cfg, headers=admin)
-        workers = [api.register(name=f"w{i}") for i in range(WORKERS)]
+        workers = [api.register(name, name=f"w{i}") for i in range(WORKERS)]
         trainers = [LocalTrainer(torch.device("cpu")) for _ in range(WORKERS)]
         refused = []
         for _ in range(ROUNDS):
             for i, headers in enumerate(workers):
-                resp = api.client.post(f"{API}/runs/t/leases", headers=headers)
+                resp = api.client.post(f"{API}/runs/{name}/leases", headers=headers)
                 if resp.status_code != 200:  # the attacker, throttled (429) or banned (403)
                     assert i == 0 and attack is not None, resp.text
                     refused.append(resp.status_code)
@@ -52,9 +53,9 @@ def train_run(open_api, tmp_path, run_config, train_delta, attack: str | None) -
                     assert i == 0 and attack is not None, resp.text
                     refused.append(resp.status_code)
             api.drain()
-        loss = api.client.post(f"{API}/runs/t/evaluate", headers=admin).json()["loss"]
-        status = api.status()
-        listed = api.client.get(f"{API}/runs/t/workers", headers=admin).json()
+        loss = api.client.post(f"{API}/runs/{name}/evaluate", headers=admin).json()["loss"]
+        status = api.status(name)
+        listed = api.client.get(f"{API}/runs/{name}/workers", headers=admin).json()
         for t in trainers:
             t.close()
     return loss, status, listed, refused
