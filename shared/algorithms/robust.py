@@ -54,8 +54,10 @@ def delta_stats(delta: Delta, reference: Mapping[str, torch.Tensor] | None) -> t
         v = np.asarray(e.values, dtype=np.float64)
         sq += float(v @ v)
         if reference is not None:
-            r = reference[e.name].reshape(-1).numpy().astype(np.float64, copy=False)
-            r = r if e.indices is None else r[e.indices]
+            r = reference[e.name].reshape(-1).numpy()
+            if e.indices is not None:  # only the delta's support: O(k), never the whole tensor
+                r = r[e.indices]
+            r = r.astype(np.float64)
             dot += float(v @ r)
             ref_sq += float(r @ r)
     norm = math.sqrt(sq)
