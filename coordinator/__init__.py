@@ -10,5 +10,7 @@
     runtime.py    a run's live state: global weights, outer optimizer, robust screening, snapshots,
                   rotated checkpoints, exchanges, eval
     merger.py     the single merger thread: apply deltas in order, evaluate, checkpoint, GC
+    credit.py     contributors' credit (pure): merged tokens times a quick-return bonus
+    static/       dashboard.html, the page GET / serves
     models.py     database schema;  db.py  engine and sessions;  storage.py  atomic blob files
 """

@@ -8,7 +8,7 @@ import logging
 import torch
 from fastapi import FastAPI
 
-from coordinator.api import blobs, errors, runs, workers
+from coordinator.api import blobs, dashboard, errors, metrics, runs, workers
 from coordinator.merger import Merger
 from coordinator.service import Coordinator
 from coordinator.settings import CoordinatorSettings
@@ -23,7 +23,8 @@ def create_app(settings: CoordinatorSettings, *, start_merger: bool = True) -> F
         torch.set_num_threads(settings.eval_threads)
         coord = Coordinator(settings)
         coord.load_runs()
-        merger = Merger(coord)
+        app.state.metrics = metrics.AppMetrics(coord)
+        merger = Merger(coord, on_merged=app.state.metrics.observe_merge)
         app.state.coordinator, app.state.merger = coord, merger
         if start_merger:
             merger.start()
@@ -43,4 +44,6 @@ def create_app(settings: CoordinatorSettings, *, start_merger: bool = True) -> F
     app.include_router(runs.router)
     app.include_router(workers.router)
     app.include_router(blobs.router)
+    app.include_router(dashboard.router)
+    app.include_router(metrics.router)
     return app

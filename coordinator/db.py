@@ -5,7 +5,6 @@ from __future__ import annotations
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.orm import Session, sessionmaker
 
-from coordinator.models import Base
 
 
 def make_engine(url: str) -> Engine:
@@ -30,4 +29,8 @@ def make_sessionmaker(engine: Engine) -> sessionmaker[Session]:
 
 
 def init_db(engine: Engine) -> None:
-    Base.metadata.create_all(engine)
+    """Bring the schema to the newest migration (coordinator/migrations); an empty database gets
+    every table, an older one the changes since its revision."""
+    from coordinator import migrate
+
+    migrate.upgrade(engine)

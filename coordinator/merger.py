@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 from sqlalchemy import delete, select, update
 
@@ -19,9 +20,14 @@ from coordinator.service import Coordinator
 log = logging.getLogger(__name__)
 
 
+# Told of every processed delta: (run, outcome, seconds its merge and commit took); /metrics listens.
+MergeObserver = Callable[[RunRuntime, MergeOutcome, float], None]
+
+
 class Merger:
-    def __init__(self, coord: Coordinator) -> None:
+    def __init__(self, coord: Coordinator, *, on_merged: MergeObserver | None = None) -> None:
         self.coord = coord
+        self.on_merged = on_merged
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.last_error: str | None = None
@@ -84,6 +90,9 @@ class Merger:
                 # The weights moved but the database did not: rebuild this run from disk, retry later.
                 self.coord.reload_run(rt.run_id)
                 raise
+        merge_s = time.perf_counter() - t0
+        if self.on_merged is not None:
+            self.on_merged(rt, out, merge_s)
         if out.version % cfg.eval_every == 0:
             self.coord.evaluate(rt)
         if out.version % self.coord.settings.checkpoint_every == 0:

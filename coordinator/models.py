@@ -59,6 +59,8 @@ class Worker(Base):
     deltas_rejected: Mapped[int] = mapped_column(Integer, default=0)
     bytes_up: Mapped[int] = mapped_column(BigInteger, default=0)
     bytes_down: Mapped[int] = mapped_column(BigInteger, default=0)
+    # Tokens of its merged deltas times their quick-return bonus (coordinator/credit.py).
+    credit: Mapped[float] = mapped_column(Float, default=0.0)
 
 
 class Shard(Base):

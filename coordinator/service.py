@@ -15,15 +15,15 @@ import hashlib
 import logging
 import secrets
 import threading
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 
 import torch
 import zstandard
-from sqlalchemy import func, select, update
+from sqlalchemy import and_, case, func, or_, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
-from coordinator import scheduler, trust
+from coordinator import credit, scheduler, trust
 from coordinator.db import init_db, make_engine, make_sessionmaker
 from coordinator.errors import Conflict, Forbidden, Gone, NotFound, TooManyRequests, Unauthorized, Unprocessable
 from coordinator.models import DeltaRecord, EvalResult, Exchange, Lease, ModelVersion, Run, Shard, Worker, utcnow
@@ -54,6 +54,14 @@ def _aware(dt: datetime) -> datetime:
 
 def _aware_or_none(dt: datetime | None) -> datetime | None:
     return None if dt is None else _aware(dt)
+
+
+def _thin(points: list, limit: int) -> list:
+    """At most `limit` (>= 2) of `points`, evenly spread, the first and the last always among them."""
+    if len(points) <= limit:
+        return points
+    step = (len(points) - 1) / (limit - 1)
+    return [points[round(i * step)] for i in range(limit)]
 
 
 class Coordinator:
@@ -212,7 +220,7 @@ class Coordinator:
             worker_id=w.id, name=w.name, team=w.team, device=w.device, standing=w.standing,
             standing_reason=w.standing_reason, revoked=w.revoked, created_at=_aware(w.created_at),
             last_seen=_aware(w.last_seen), tokens_trained=w.tokens_trained, deltas_accepted=w.deltas_accepted,
-            deltas_rejected=w.deltas_rejected, bytes_up=w.bytes_up, bytes_down=w.bytes_down)
+            deltas_rejected=w.deltas_rejected, bytes_up=w.bytes_up, bytes_down=w.bytes_down, credit=w.credit or 0.0)
 
     def list_workers(self, run_name: str) -> list[protocol.WorkerInfo]:
         with self.sessions() as s:
@@ -250,12 +258,18 @@ class Coordinator:
             return self._worker_info(w)
 
     def record_merge(self, s: Session, rec: DeltaRecord, cfg: RunConfig) -> None:
-        """After the merger judged `rec`: count a rejection and update the worker's standing."""
+        """After the merger judged `rec`: count a rejection or award the credit of a merged delta
+        (coordinator/credit.py), and update the worker's standing."""
         w = s.get(Worker, rec.worker_id)
         if w is None:
             return
         if rec.outcome == "rejected":
             w.deltas_rejected += 1
+        elif rec.outcome == "merged":
+            lease = s.get(Lease, rec.lease_id)
+            return_s = (_aware(rec.received_at) - _aware(lease.created_at)).total_seconds()
+            w.credit = (w.credit or 0.0) + credit.delta_credit(rec.tokens, return_s=return_s,
+                                                               lease_ttl_s=cfg.lease_ttl_s)
         outcomes = s.execute(select(DeltaRecord.outcome, DeltaRecord.reason).where(
             DeltaRecord.worker_id == w.id, DeltaRecord.outcome != "queued")
             .order_by(DeltaRecord.seq.desc()).limit(trust.RECENT)).all()
@@ -651,6 +665,127 @@ class Coordinator:
                 traffic_ratio_vs_dense=(dense / moved) if moved else None, n_params=run.n_params,
                 shards_total=sum(shard_counts.values()), shards_done=shard_counts.get("done", 0), epoch=run.epoch,
                 clipped_deltas=clipped or 0, workers_flagged=[self._worker_info(w) for w in flagged])
+
+    # -- dashboard and metrics (public: names, teams and devices; never tokens or reasons) ---------
+
+    LIVE_WINDOW_S = 300.0  # seen this recently (or holding a live lease): a live worker
+    RATE_DELTAS = 4000  # the run's newest deltas tokens/s looks at: bounded work whatever the history
+    DASHBOARD_EVALS, DASHBOARD_LIVE, DASHBOARD_LEADERS, DASHBOARD_TEAMS = 500, 200, 100, 50
+
+    def dashboard(self, run_name: str, *, now: datetime | None = None) -> protocol.Dashboard:
+        """Every number of the public dashboard, aggregated in SQL and capped in rows, so it stays a
+        few milliseconds with hundreds of workers and a long history."""
+        now = now or utcnow()
+        live_since = now - timedelta(seconds=self.LIVE_WINDOW_S)
+        with self.sessions() as s:
+            run = self._run(s, run_name)
+            cfg = RunConfig.model_validate_json(run.config_json)
+            rejected_at_merge = s.scalar(select(func.count()).select_from(DeltaRecord).where(
+                DeltaRecord.run_id == run.id, DeltaRecord.outcome == "rejected")) or 0
+            n_workers, rejected, credit_total = s.execute(select(
+                func.count(), func.coalesce(func.sum(Worker.deltas_rejected), 0),
+                func.coalesce(func.sum(Worker.credit), 0.0)).where(Worker.run_id == run.id)).one()
+            evals = [protocol.EvalPoint(version=v, loss=loss, tokens_trained=t, at=_aware(at))
+                     for v, loss, t, at in s.execute(select(
+                         EvalResult.version, EvalResult.loss, EvalResult.tokens_trained, EvalResult.at)
+                         .where(EvalResult.run_id == run.id).order_by(EvalResult.version))]
+            leasing = select(Lease.worker_id).where(Lease.run_id == run.id, Lease.state == "active",
+                                                    Lease.deadline > now)
+            holding = set(s.scalars(leasing))
+            live = s.execute(select(Worker.id, Worker.name, Worker.team, Worker.device, Worker.last_seen,
+                                    Worker.standing).where(
+                Worker.run_id == run.id, Worker.revoked.is_(False),
+                or_(Worker.last_seen >= live_since, Worker.id.in_(leasing)))).all()
+            # tokens/s: tokens over seconds from lease to upload, over each worker's recent deltas
+            rate_since = now - timedelta(seconds=max(900.0, 2 * cfg.lease_ttl_s))
+            spent: dict[int, list[float]] = {}
+            for worker_id, tokens, received, leased in s.execute(
+                    select(DeltaRecord.worker_id, DeltaRecord.tokens, DeltaRecord.received_at, Lease.created_at)
+                    .join(Lease, Lease.id == DeltaRecord.lease_id)
+                    .where(DeltaRecord.run_id == run.id, DeltaRecord.seq >= run.next_seq - self.RATE_DELTAS,
+                           DeltaRecord.received_at >= rate_since)):
+                acc = spent.setdefault(worker_id, [0.0, 0.0])
+                acc[0] += tokens
+                acc[1] += max(1e-3, (_aware(received) - _aware(leased)).total_seconds())
+            leaders = s.execute(select(Worker.id, Worker.name, Worker.team, Worker.tokens_trained,
+                                       Worker.deltas_accepted, Worker.credit, Worker.standing, Worker.revoked)
+                                .where(Worker.run_id == run.id, Worker.deltas_accepted > 0)
+                                .order_by(Worker.credit.desc(), Worker.tokens_trained.desc(), Worker.id)
+                                .limit(self.DASHBOARD_LEADERS)).all()
+            team_credit = func.coalesce(func.sum(Worker.credit), 0.0)
+            teams = s.execute(select(Worker.team, func.count(), func.coalesce(func.sum(Worker.tokens_trained), 0),
+                                     func.coalesce(func.sum(Worker.deltas_accepted), 0), team_credit)
+                              .where(Worker.run_id == run.id, Worker.team.is_not(None), Worker.team != "")
+                              .group_by(Worker.team).order_by(team_credit.desc(), Worker.team)
+                              .limit(self.DASHBOARD_TEAMS)).all()
+        live_workers = [protocol.LiveWorker(
+            worker_id=wid, name=name, team=team, device=device, last_seen=_aware(seen), leasing=wid in holding,
+            standing=standing, tokens_per_s=spent[wid][0] / spent[wid][1] if wid in spent else None)
+            for wid, name, team, device, seen, standing in live]
+        live_workers.sort(key=lambda w: (w.tokens_per_s is None, -(w.tokens_per_s or 0.0), w.worker_id))
+        dense = scheduler.dense_equivalent_bytes(worker_steps=run.worker_steps, n_params=run.n_params)
+        moved = run.bytes_up + run.bytes_down_model + run.bytes_down_data
+        return protocol.Dashboard(
+            name=run.name, state=run.state, algorithm=cfg.algorithm, version=run.version, n_params=run.n_params,
+            tokens_trained=run.tokens_trained, merged_deltas=run.version - rejected_at_merge,
+            rejected_deltas=int(rejected), eval_loss=evals[-1].loss if evals else None,
+            evals=_thin(evals, self.DASHBOARD_EVALS), workers_total=n_workers, workers_live=len(live_workers),
+            live_window_s=self.LIVE_WINDOW_S, bytes_moved=moved, dense_equivalent_bytes=dense,
+            bytes_saved=dense - moved, traffic_ratio_vs_dense=(dense / moved) if moved else None,
+            credit_total=float(credit_total), credit_formula=credit.FORMULA,
+            live_workers=live_workers[:self.DASHBOARD_LIVE],
+            leaderboard=[protocol.LeaderboardEntry(
+                rank=i, worker_id=wid, name=name, team=team, tokens_trained=tokens, deltas_accepted=accepted,
+                credit=credit_ or 0.0, standing="revoked" if revoked else standing)
+                for i, (wid, name, team, tokens, accepted, credit_, standing, revoked) in enumerate(leaders, 1)],
+            teams=[protocol.TeamEntry(rank=i, team=team, workers=n, tokens_trained=int(tokens),
+                                      deltas_accepted=int(accepted), credit=float(credit_))
+                   for i, (team, n, tokens, accepted, credit_) in enumerate(teams, 1)],
+            generated_at=now)
+
+    def metrics_sample(self, *, now: datetime | None = None) -> list[protocol.RunMetrics]:
+        """Each run's numbers for a /metrics scrape: a handful of grouped queries over all runs."""
+        now = now or utcnow()
+        with self.sessions() as s:
+            runs = s.scalars(select(Run).where(Run.state != "creating").order_by(Run.id)).all()
+            outcomes: dict[tuple[int, str], int] = {
+                (run_id, outcome): n for run_id, outcome, n in s.execute(
+                    select(DeltaRecord.run_id, DeltaRecord.outcome, func.count())
+                    .where(DeltaRecord.outcome.in_(("queued", "rejected")))
+                    .group_by(DeltaRecord.run_id, DeltaRecord.outcome))}
+            # an active lease past its deadline is expired, whether or not the merger has marked it yet
+            state = case((and_(Lease.state == "active", Lease.deadline <= now), "expired"), else_=Lease.state)
+            leases: dict[int, dict[str, int]] = {}
+            for run_id, lease_state, n in s.execute(select(Lease.run_id, state, func.count())
+                                                    .group_by(Lease.run_id, state)):
+                leases.setdefault(run_id, {})[lease_state] = n
+            live = or_(Worker.last_seen >= now - timedelta(seconds=self.LIVE_WINDOW_S), Worker.id.in_(
+                select(Lease.worker_id).where(Lease.state == "active", Lease.deadline > now)))
+            workers = {run_id: (n, int(n_live or 0), int(rejected), float(credit_))
+                       for run_id, n, n_live, rejected, credit_ in s.execute(
+                           select(Worker.run_id, func.count(),
+                                  func.sum(case((and_(live, Worker.revoked.is_(False)), 1), else_=0)),
+                                  func.coalesce(func.sum(Worker.deltas_rejected), 0),
+                                  func.coalesce(func.sum(Worker.credit), 0.0)).group_by(Worker.run_id))}
+            newest = select(EvalResult.run_id, func.max(EvalResult.version).label("version")) \
+                .group_by(EvalResult.run_id).subquery()
+            losses = dict(s.execute(select(EvalResult.run_id, EvalResult.loss).join(
+                newest, and_(EvalResult.run_id == newest.c.run_id, EvalResult.version == newest.c.version))).all())
+        out = []
+        for run in runs:
+            rejected_at_merge = outcomes.get((run.id, "rejected"), 0)
+            n, n_live, rejected, credit_ = workers.get(run.id, (0, 0, 0, 0.0))
+            out.append(protocol.RunMetrics(
+                name=run.name, version=run.version, tokens_trained=run.tokens_trained,
+                merged_deltas=run.version - rejected_at_merge, rejected_at_merge=rejected_at_merge,
+                refused_at_upload=max(0, rejected - rejected_at_merge),
+                queued_deltas=outcomes.get((run.id, "queued"), 0), leases=leases.get(run.id, {}),
+                eval_loss=losses.get(run.id), bytes_up=run.bytes_up, bytes_down_model=run.bytes_down_model,
+                bytes_down_data=run.bytes_down_data,
+                dense_equivalent_bytes=scheduler.dense_equivalent_bytes(worker_steps=run.worker_steps,
+                                                                        n_params=run.n_params),
+                workers_total=n, workers_live=n_live, credit_total=credit_))
+        return out
 
     def close(self) -> None:
         self.engine.dispose()

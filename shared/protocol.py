@@ -96,6 +96,7 @@ class WorkerInfo(_Body):
     deltas_rejected: int
     bytes_up: int
     bytes_down: int
+    credit: float = Field(0.0, description="tokens of its merged deltas times their quick-return bonus")
 
 
 class RunStatus(_Body):
@@ -136,8 +137,92 @@ class RunSummary(_Body):
     created_at: datetime
 
 
+# -- the public dashboard (GET / draws these; names and teams are public, tokens and reasons are not) --
+
+class LeaderboardEntry(_Body):
+    rank: int
+    worker_id: int
+    name: str | None
+    team: str | None
+    tokens_trained: int = Field(description="tokens in its deltas accepted at upload")
+    deltas_accepted: int
+    credit: float = Field(description="tokens of its merged deltas times their quick-return bonus")
+    standing: str = Field(description="ok | throttled | banned | revoked, a badge (the reason stays with operators)")
+
+
+class TeamEntry(_Body):
+    rank: int
+    team: str
+    workers: int
+    tokens_trained: int
+    deltas_accepted: int
+    credit: float
+
+
+class LiveWorker(_Body):
+    worker_id: int
+    name: str | None
+    team: str | None
+    device: str | None
+    tokens_per_s: float | None = Field(
+        description="tokens of its recent deltas over the time from lease to upload; None before its first one")
+    last_seen: datetime
+    leasing: bool = Field(description="holds a live lease now")
+    standing: str
+
+
+class Dashboard(_Body):
+    """Every number the dashboard page shows, for one run."""
+
+    name: str
+    state: str
+    algorithm: str
+    version: int
+    n_params: int
+    tokens_trained: int
+    merged_deltas: int
+    rejected_deltas: int = Field(description="refused at upload or rejected at merge")
+    eval_loss: float | None
+    evals: list[EvalPoint] = Field(description="the eval history, thinned to at most 500 points "
+                                               "(the first and the last always kept)")
+    workers_total: int
+    workers_live: int = Field(description="seen within live_window_s, or holding a live lease")
+    live_window_s: float
+    bytes_moved: int = Field(description="bytes up and down so far (deltas, exchanges, snapshots, shards)")
+    dense_equivalent_bytes: int = Field(description="what data-parallel training of the same steps would move")
+    bytes_saved: int = Field(description="dense_equivalent_bytes - bytes_moved (negative early in a run)")
+    traffic_ratio_vs_dense: float | None
+    credit_total: float
+    credit_formula: str = Field(description="how credit is computed (coordinator/credit.py)")
+    live_workers: list[LiveWorker] = Field(description="the fastest live workers first, at most 200")
+    leaderboard: list[LeaderboardEntry] = Field(description="by credit, at most 100")
+    teams: list[TeamEntry] = Field(description="by credit, at most 50")
+    generated_at: datetime
+
+
+class RunMetrics(_Body):
+    """One run's numbers read from the database when /metrics is scraped."""
+
+    name: str
+    version: int
+    tokens_trained: int
+    merged_deltas: int
+    rejected_at_merge: int
+    refused_at_upload: int
+    queued_deltas: int
+    leases: dict[str, int] = Field(description="by state: active, expired, delivered, abandoned")
+    eval_loss: float | None
+    bytes_up: int
+    bytes_down_model: int
+    bytes_down_data: int
+    dense_equivalent_bytes: int
+    workers_total: int
+    workers_live: int
+    credit_total: float
+
+
 __all__ = [
     "API_PREFIX", "API_VERSION", "DeltaAccepted", "EvalPoint", "H_BASE_VERSION", "H_SHA256", "H_VERSION",
     "Health", "Lease", "RegisterRequest", "RegisterResponse", "RunConfig", "RunCreated", "RunStatus", "RunSummary",
-    "WorkerInfo",
+    "WorkerInfo", "Dashboard", "LeaderboardEntry", "LiveWorker", "RunMetrics", "TeamEntry",
 ]

@@ -82,24 +82,11 @@ def postgres_reason() -> str | None:
     return _pg["reason"]  # type: ignore[return-value]
 
 
-def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    if DB_FIXTURES & set(metafunc.fixturenames) and "db_backend" not in metafunc.fixturenames:
-        metafunc.fixturenames.append("db_backend")
-    if "db_backend" in metafunc.fixturenames:
-        metafunc.parametrize("db_backend", ["sqlite", "postgresql"], scope="function")
-
-
-def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
-    reason = _pg.get("reason")
-    if reason:
-        terminalreporter.write_sep("!", "PostgreSQL tests SKIPPED", red=True, bold=True)
-        terminalreporter.write_line(f"{reason}; start it (see .ci/run) to test the PostgreSQL backend", red=True)
-
-
-@pytest.fixture
-def db_url(db_backend: str) -> Iterator[str | None]:
-    """A fresh, empty PostgreSQL schema for this test (dropped after), or None for SQLite."""
-    if db_backend == "sqlite":
+@contextlib.contextmanager
+def fresh_database(backend: str) -> Iterator[str | None]:
+    """A fresh, empty PostgreSQL schema's URL (dropped after), or None for SQLite; skips the
+    test when PostgreSQL cannot be reached."""
+    if backend == "sqlite":
         yield None
         return
     reason = postgres_reason()
@@ -117,6 +104,30 @@ def db_url(db_backend: str) -> Iterator[str | None]:
         with admin.begin() as conn:
             conn.execute(text(f'DROP SCHEMA "{schema}" CASCADE'))
         admin.dispose()
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    # A module whose fixtures pick the backend themselves (module-scoped apps) says so.
+    if getattr(metafunc.module, "OWN_DB_BACKENDS", False):
+        return
+    if DB_FIXTURES & set(metafunc.fixturenames) and "db_backend" not in metafunc.fixturenames:
+        metafunc.fixturenames.append("db_backend")
+    if "db_backend" in metafunc.fixturenames:
+        metafunc.parametrize("db_backend", ["sqlite", "postgresql"], scope="function")
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
+    reason = _pg.get("reason")
+    if reason:
+        terminalreporter.write_sep("!", "PostgreSQL tests SKIPPED", red=True, bold=True)
+        terminalreporter.write_line(f"{reason}; start it (see .ci/run) to test the PostgreSQL backend", red=True)
+
+
+@pytest.fixture
+def db_url(db_backend: str) -> Iterator[str | None]:
+    """A fresh, empty PostgreSQL schema for this test (dropped after), or None for SQLite."""
+    with fresh_database(db_backend) as url:
+        yield url
 
 
 def write_corpus(root: Path, *, n_files: int = 40, file_bytes: int = 1000, seed: int = 0) -> Path:

@@ -51,6 +51,9 @@ PUBLIC = {
     ("GET", f"{API}/runs/{{run}}/config"),
     ("GET", f"{API}/runs/{{run}}/snapshots/{{version}}"),
     ("POST", f"{API}/runs/{{run}}/workers"),  # registration: the run's join key guards it, if it has one
+    ("GET", "/"),  # the dashboard page, meant to be shared
+    ("GET", f"{API}/runs/{{run}}/dashboard"),  # its numbers: names and teams, never tokens or reasons
+    ("GET", "/metrics"),  # Prometheus: aggregates per run, nothing the dashboard does not show
 }
 
 # Known today; the classifier must find at least these (a broken classifier must not test nothing).

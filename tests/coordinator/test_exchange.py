@@ -29,7 +29,7 @@ from shared.algorithms.sparta import apply_correction, exchange_seed, select as 
 from shared.codec import Delta, Entry, IndexKind, ValueKind
 from shared.config import SpartaConfig
 from shared.snapshot import decode_snapshot
-from tests.conftest import TINY_MODEL, Api
+from tests.conftest import TINY_MODEL, Api, fresh_database
 
 API = protocol.API_PREFIX
 STEPS, EVERY = 4, 2  # exchanges follow steps 2 and 4
@@ -42,14 +42,19 @@ def _config(name: str, algorithm: str, corpus_dir) -> dict:
             "inner": {"steps": STEPS, "batch_size": 2}, "outer": {"group": 2}, "sparta": SPARTA}
 
 
-@pytest.fixture(scope="module")
-def api(tmp_path_factory, corpus_dir):
-    settings = CoordinatorSettings(data_dir=tmp_path_factory.mktemp("exchange") / "coordinator")
-    with TestClient(create_app(settings, start_merger=False)) as client:
-        a = Api(client)
-        for name, algorithm in (("s", "sparta"), ("sd", "sparta+diloco"), ("d", "diloco")):
-            a.create_run(_config(name, algorithm, corpus_dir))
-        yield a
+OWN_DB_BACKENDS = True  # the module-scoped app below runs once per backend
+
+
+@pytest.fixture(scope="module", params=["sqlite", "postgresql"])
+def api(request, tmp_path_factory, corpus_dir):
+    with fresh_database(request.param) as db_url:
+        settings = CoordinatorSettings(data_dir=tmp_path_factory.mktemp("exchange") / "coordinator",
+                                       database_url=db_url)
+        with TestClient(create_app(settings, start_merger=False)) as client:
+            a = Api(client)
+            for name, algorithm in (("s", "sparta"), ("sd", "sparta+diloco"), ("d", "diloco")):
+                a.create_run(_config(name, algorithm, corpus_dir))
+            yield a
 
 
 def post_exchange(api: Api, lease_id: int, step, body: bytes, headers: dict, content_type="application/octet-stream"):

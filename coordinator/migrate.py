@@ -1,0 +1,67 @@
+"""Schema migrations, programmatically: upgrade a database to the newest schema, or write the
+next revision after models.py changed (`python -m coordinator.migrate revision "message"`)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from alembic import command
+from alembic.config import Config
+from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
+from sqlalchemy import Engine, create_engine
+
+MIGRATIONS = Path(__file__).resolve().parent / "migrations"
+
+
+def alembic_config(url: str | None = None) -> Config:
+    cfg = Config()
+    cfg.set_main_option("script_location", str(MIGRATIONS))
+    if url:
+        cfg.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
+    return cfg
+
+
+def head() -> str:
+    return ScriptDirectory.from_config(alembic_config()).get_current_head()
+
+
+def current(engine: Engine) -> str | None:
+    with engine.connect() as conn:
+        return MigrationContext.configure(conn).get_current_revision()
+
+
+def upgrade(engine: Engine, revision: str = "head") -> str | None:
+    """Bring the database to `revision` (default: the newest); returns the revision it is at."""
+    cfg = alembic_config()
+    with engine.begin() as conn:
+        cfg.attributes["connection"] = conn
+        command.upgrade(cfg, revision)
+    return current(engine)
+
+
+def downgrade(engine: Engine, revision: str) -> str | None:
+    cfg = alembic_config()
+    with engine.begin() as conn:
+        cfg.attributes["connection"] = conn
+        command.downgrade(cfg, revision)
+    return current(engine)
+
+
+def _revision(message: str) -> None:
+    """Autogenerate the next revision against a scratch SQLite database at the current head."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        url = f"sqlite:///{tmp}/scratch.sqlite3"
+        upgrade(create_engine(url))
+        latest = head()
+        rev_id = f"{int(latest) + 1:04d}" if latest and latest.isdigit() else None  # 0001, 0002, ...
+        command.revision(alembic_config(url), message=message, autogenerate=True, rev_id=rev_id)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 3 or sys.argv[1] != "revision":
+        sys.exit('usage: python -m coordinator.migrate revision "what changed"')
+    _revision(sys.argv[2])

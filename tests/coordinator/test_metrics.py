@@ -1,0 +1,124 @@
+"""GET /metrics: the Prometheus text format, parsed back and checked against what happened."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from prometheus_client import REGISTRY, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from coordinator.api.metrics import REASONS, reason_class
+from coordinator.settings import CoordinatorSettings
+from shared.algorithms.robust import screen
+from shared.codec import Delta, Entry, IndexKind, ValueKind
+from shared.config import RobustConfig
+from tests.conftest import API, schema_of
+
+
+def scrape(api) -> dict[tuple[str, tuple], float]:
+    """{(sample name, sorted labels): value} of one scrape."""
+    resp = api.client.get("/metrics")
+    assert resp.status_code == 200, resp.text
+    assert resp.headers["content-type"].startswith("text/plain")
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(resp.text) for s in family.samples}
+
+
+def value(samples, name: str, **labels) -> float:
+    return samples[(name, tuple(sorted(labels.items())))]
+
+
+def test_metrics_count_merges_rejections_leases_bytes_and_loss(api, run, make_delta, encode_unchecked):
+    ws = [api.register(name=f"w{i}", team="blue") for i in range(4)]
+    leases = [api.lease(w) for w in ws]
+    snapshot = api.snapshot()  # counted as model bytes out
+    for i in (0, 1):
+        api.accept(leases[i].lease_id, make_delta(leases[i], seed=i), ws[i])
+    huge = encode_unchecked(leases[2].base_version,  # far past the AdamW bound: rejected at merge
+                            [(n, [1e3] * math.prod(shape)) for n, shape in schema_of(leases[2]).items()])
+    api.accept(leases[2].lease_id, huge, ws[2])
+    assert api.upload(leases[3].lease_id, b"not a delta", ws[3]).status_code == 422  # refused at upload
+
+    before = scrape(api)
+    assert value(before, "idletrain_deltas_queued", run="t") == 3
+    assert value(before, "idletrain_merge_seconds_count", run="t") == 0  # known runs are exported from the start
+    assert api.drain() == 3
+    api.client.post(f"{API}/runs/t/evaluate")
+
+    m = scrape(api)
+    status = api.status()
+    assert value(m, "idletrain_model_version", run="t") == 3
+    assert value(m, "idletrain_deltas_merged_total", run="t") == 2
+    assert value(m, "idletrain_deltas_rejected_total", run="t", stage="merge") == 1
+    assert value(m, "idletrain_deltas_rejected_total", run="t", stage="upload") == 1
+    assert value(m, "idletrain_deltas_queued", run="t") == 0
+    for reason in REASONS:  # bounded labels, every one present
+        assert value(m, "idletrain_merge_rejections_total", run="t", reason=reason) == (reason == "bound")
+    assert value(m, "idletrain_merge_seconds_count", run="t") == 3
+    assert 0 < value(m, "idletrain_merge_seconds_sum", run="t") < 60
+    assert value(m, "idletrain_merge_seconds_bucket", run="t", le="+Inf") == 3
+    assert value(m, "idletrain_leases", run="t", state="delivered") == 3
+    assert value(m, "idletrain_leases", run="t", state="active") == 1
+    assert value(m, "idletrain_leases", run="t", state="expired") == 0
+    assert value(m, "idletrain_tokens_trained_total", run="t") == status["tokens_trained"]
+    assert value(m, "idletrain_bytes_in_total", run="t") == status["bytes_up"] > len(b"not a delta")
+    assert value(m, "idletrain_bytes_out_total", run="t", kind="model") == len(snapshot)
+    assert value(m, "idletrain_bytes_out_total", run="t", kind="data") == 0
+    assert value(m, "idletrain_dense_equivalent_bytes_total", run="t") == status["dense_equivalent_bytes"]
+    assert value(m, "idletrain_eval_loss", run="t") == pytest.approx(status["eval_loss"])
+    assert value(m, "idletrain_workers", run="t", state="registered") == 4
+    assert value(m, "idletrain_workers", run="t", state="live") == 4
+    tokens = run.inner.steps * run.inner.batch_size * run.model.context
+    assert 2 * tokens <= value(m, "idletrain_credit_total", run="t") <= 2 * tokens * 4
+
+
+def test_each_app_has_its_own_registry(tmp_path, open_api, run_config, make_delta):
+    # b on a database of its own (a gets the test's): what the registries hold must not mix
+    b_db = f"sqlite:///{tmp_path / 'b.sqlite3'}"
+    with open_api(CoordinatorSettings(data_dir=tmp_path / "a")) as a, \
+            open_api(CoordinatorSettings(data_dir=tmp_path / "b", database_url=b_db)) as b:
+        a.create_run(run_config("one"))
+        b.create_run(run_config("two"))
+        w = a.register("one")
+        lease = a.lease(w, run="one")
+        a.accept(lease.lease_id, make_delta(lease), w)
+        a.drain()
+        ma, mb = scrape(a), scrape(b)
+    assert value(ma, "idletrain_merge_seconds_count", run="one") == 1
+    assert not any(labels and dict(labels).get("run") == "two" for _, labels in ma)
+    assert value(mb, "idletrain_model_version", run="two") == 0
+    assert ("idletrain_merge_seconds_count", (("run", "one"),)) not in mb
+    assert b"idletrain_" not in generate_latest(REGISTRY)  # nothing leaks into the global default registry
+
+
+def test_metrics_without_runs(api):
+    assert scrape(api) == {}
+
+
+def _dense(values) -> Delta:
+    v = np.asarray(values, dtype=np.float32)
+    return Delta(0, (Entry("w", v.size, IndexKind.DENSE, ValueKind.FP32, v),))
+
+
+def test_reason_classes_follow_the_texts_robust_merging_writes():
+    import torch
+
+    cfg = RobustConfig(min_history=4, window=8)
+    history = [1.0, 1.0, 1.0, 1.0]
+    texts = {
+        "nonfinite": screen(_dense([math.inf, 0]), history=[], reference=None, cfg=cfg).reason,
+        "bound": screen(_dense([100.0, 0]), history=[], reference=None, cfg=cfg, bound=1.0).reason,
+        "norm": screen(_dense([50.0, 0]), history=history, reference=None, cfg=cfg).reason,
+        "direction": screen(_dense([-1.0, 0]), history=history, reference={"w": torch.tensor([1.0, 0.0])},
+                            cfg=cfg).reason,
+        # coordinator/runtime.py's own
+        "stale": "1001 versions stale, above the limit of 1000",
+        "unreadable": "stored delta unreadable: [Errno 2] No such file or directory",
+    }
+    for label, text in texts.items():
+        assert text and reason_class(text) == label, (label, text)
+    assert reason_class("base version 9 is newer than the model (3)") == "stale"
+    assert reason_class("something new") == reason_class(None) == "other"
+    assert set(texts) | {"other"} == set(REASONS)
