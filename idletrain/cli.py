@@ -23,6 +23,7 @@ def _setup_logging(level: str) -> None:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     # One line per HTTP request drowns the worker's own progress lines.
     logging.getLogger("httpx").setLevel(max(logging.WARNING, getattr(logging, level.upper())))
+    logging.getLogger("alembic").setLevel(max(logging.WARNING, getattr(logging, level.upper())))
 
 
 def _fail(msg: str) -> int:
@@ -46,6 +47,35 @@ def cmd_coordinator_serve(args: argparse.Namespace) -> int:
     log.info("coordinator on http://%s:%d, data in %s", settings.host, settings.port, settings.data_dir.resolve())
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=args.log_level.lower(),
                 access_log=args.log_level.upper() == "DEBUG")
+    return 0
+
+
+def cmd_coordinator_migrate(args: argparse.Namespace) -> int:
+    from coordinator import migrate
+    from coordinator.db import make_engine
+    from coordinator.settings import CoordinatorSettings
+
+    overrides = {k: v for k, v in {"data_dir": args.data_dir, "database_url": args.database_url}.items()
+                 if v is not None}
+    try:
+        settings = CoordinatorSettings(**overrides)
+    except ValidationError as exc:
+        return _fail("; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()))
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    engine = make_engine(settings.resolved_database_url)
+    try:
+        before = migrate.current(engine)
+        if args.check:
+            ok = before == migrate.head()
+            print(f"database at {before or 'no schema'}, newest is {migrate.head()}: "
+                  + ("up to date" if ok else "run `idletrain coordinator migrate`"))
+            return 0 if ok else 1
+        after = migrate.upgrade(engine)
+    except Exception as exc:  # the driver's own errors: a wrong URL, a server that is down
+        return _fail(f"cannot migrate {engine.url.render_as_string(hide_password=True)}: {exc}")
+    finally:
+        engine.dispose()
+    print(f"database {engine.url.render_as_string(hide_password=True)}: {before or 'empty'} -> {after}")
     return 0
 
 
@@ -126,8 +156,9 @@ def cmd_run_create(args: argparse.Namespace) -> int:
     except ValueError as exc:
         return _fail(str(exc))
     try:
+        token = args.admin_token or os.environ.get("IDLETRAIN_ADMIN_TOKEN")
         resp = httpx.post(f"{args.coordinator}/api/v1/runs", json=json.loads(cfg.model_dump_json()),
-                          headers=_admin_headers(args.admin_token), timeout=600)
+                          headers=_admin_headers(token), timeout=600)
     except httpx.TransportError as exc:
         return _fail(f"cannot reach the coordinator at {args.coordinator} ({exc}); is it running?")
     if resp.status_code != 201:
@@ -383,6 +414,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--database-url", default=None, help="SQLAlchemy URL (default: SQLite in the data dir)")
     serve.add_argument("--admin-token", default=None, help="token for operator actions (required off loopback)")
     serve.set_defaults(func=cmd_coordinator_serve)
+    mig = coord.add_parser("migrate", help="bring the database schema to the newest version (serve does it too)")
+    mig.add_argument("--data-dir", default=None, help="where the SQLite database lives (default ./idletrain-data)")
+    mig.add_argument("--database-url", default=None, help="SQLAlchemy URL (default: SQLite in the data dir)")
+    mig.add_argument("--check", action="store_true", help="only say whether it is up to date (exit 1 if not)")
+    mig.set_defaults(func=cmd_coordinator_migrate)
 
     run = sub.add_parser("run", help="manage training runs").add_subparsers(dest="action", required=True)
     create = run.add_parser("create", help="create a training run")
