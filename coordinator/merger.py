@@ -130,6 +130,10 @@ class Merger:
             doomed = [v for v in old if v not in leased and v != 0]
             for v in doomed:
                 rt.storage.snapshot(rt.run_id, v).unlink(missing_ok=True)
+            for path in rt.storage.update(rt.run_id, 0, 0).parent.glob("*.delta"):
+                start, _, _ = path.stem.partition("-")  # updates from a version that is gone go too
+                if start.isdigit() and int(start) < keep_from and int(start) not in leased:
+                    path.unlink(missing_ok=True)
             if doomed:
                 s.execute(delete(ModelVersion).where(ModelVersion.run_id == rt.run_id,
                                                      ModelVersion.version.in_(doomed)))

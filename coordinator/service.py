@@ -32,13 +32,14 @@ from coordinator.runtime import RunRuntime
 from coordinator.settings import CoordinatorSettings
 from coordinator.storage import Storage
 from shared import codec, protocol
-from shared.algorithms import sparta
+from shared.algorithms import sparta, sync
 from shared.algorithms.compress import k_for, tensor_seed
 from shared.algorithms.inner import scheduled_lr
 from shared.config import RunConfig
 from shared.data import cut_shards, load_corpus
 from shared.errors import DeltaFormatError
 from shared.model import build_model, count_params
+from shared.snapshot import decode_snapshot
 
 log = logging.getLogger(__name__)
 
@@ -360,35 +361,51 @@ class Coordinator:
                 old.state = "abandoned"
                 s.execute(update(Shard).where(Shard.id == old.shard_id, Shard.state == "leased")
                           .values(state="pending"))
-            s.flush()
-            shards = s.execute(select(Shard.id, Shard.index, Shard.state, Shard.times_trained)
-                               .where(Shard.run_id == run.id)).all()
-            pick = scheduler.pick_shard([scheduler.ShardView(*row) for row in shards])
-            if pick.shard_id is None:
-                s.commit()
-                return None
-            if pick.new_epoch:
-                s.execute(update(Shard).where(Shard.run_id == run.id).values(state="pending"))
-                run.epoch += 1
-            shard = s.get(Shard, pick.shard_id, with_for_update=True)
-            if shard is None or (shard.state != "pending" and not pick.new_epoch):
-                s.rollback()
-                return None
-            shard.state = "leased"
-            now = utcnow()
-            s.execute(update(Worker).where(Worker.id == worker.id).values(last_lease_at=now))
-            lr = scheduled_lr(cfg.inner, tokens_done=run.tokens_trained, schedule_tokens=cfg.schedule_tokens)
-            lease = Lease(run_id=run.id, worker_id=worker.id, shard_id=shard.id, base_version=run.version,
-                          seed=0, lr=lr, deadline=scheduler.lease_deadline(now, cfg.lease_ttl_s), created_at=now)
-            s.add(lease)
-            s.flush()
-            lease.seed = scheduler.lease_seed(cfg.seed, lease.id)
             s.commit()
-            return protocol.Lease(
-                lease_id=lease.id, run=run.name, shard_id=shard.index, shard_sha256=shard.sha256,
-                base_version=lease.base_version, seed=lease.seed, lr=lr, inner=cfg.inner,
-                compression=cfg.compression, model=cfg.model.to_dict(), deadline=lease.deadline,
-                algorithm=cfg.algorithm, sparta=cfg.sparta)
+        # Claim a shard with a conditional UPDATE: of concurrent requests that picked the same
+        # shard exactly one changes the row, the others pick again (SQLite ignores FOR UPDATE).
+        tried: set[int] = set()
+        for _ in range(16):
+            with self.sessions() as s:
+                run = self._run(s, run_name)
+                shards = s.execute(select(Shard.id, Shard.index, Shard.state, Shard.times_trained)
+                                   .where(Shard.run_id == run.id)).all()
+                # a shard whose claim just failed is someone else's now, whatever this read says
+                views = [scheduler.ShardView(i, idx, "leased" if i in tried else st, n) for i, idx, st, n in shards]
+                pick = scheduler.pick_shard(views)
+                if pick.shard_id is None:
+                    return None
+                if pick.new_epoch:  # every shard done: one request opens the next epoch, all then pick again
+                    opened = s.execute(update(Run).where(Run.id == run.id, Run.epoch == run.epoch)
+                                       .values(epoch=Run.epoch + 1)).rowcount
+                    if opened:
+                        s.execute(update(Shard).where(Shard.run_id == run.id, Shard.state == "done")
+                                  .values(state="pending"))
+                    s.commit()
+                    continue
+                claimed = s.execute(update(Shard).where(Shard.id == pick.shard_id, Shard.state == "pending")
+                                    .values(state="leased")).rowcount
+                if not claimed:
+                    s.rollback()
+                    tried.add(pick.shard_id)
+                    continue
+                shard = s.get(Shard, pick.shard_id)
+                now = utcnow()
+                s.execute(update(Worker).where(Worker.id == worker.id).values(last_lease_at=now))
+                lr = scheduled_lr(cfg.inner, tokens_done=run.tokens_trained, schedule_tokens=cfg.schedule_tokens)
+                lease = Lease(run_id=run.id, worker_id=worker.id, shard_id=shard.id, base_version=run.version,
+                              seed=0, lr=lr, deadline=scheduler.lease_deadline(now, cfg.lease_ttl_s),
+                              created_at=now)
+                s.add(lease)
+                s.flush()
+                lease.seed = scheduler.lease_seed(cfg.seed, lease.id)
+                s.commit()
+                return protocol.Lease(
+                    lease_id=lease.id, run=run.name, shard_id=shard.index, shard_sha256=shard.sha256,
+                    base_version=lease.base_version, seed=lease.seed, lr=lr, inner=cfg.inner,
+                    compression=cfg.compression, model=cfg.model.to_dict(), deadline=lease.deadline,
+                    algorithm=cfg.algorithm, sparta=cfg.sparta)
+        return None  # lost every race this time; the worker asks again after Retry-After
 
     # -- blobs --------------------------------------------------------------------------------
 
@@ -412,6 +429,43 @@ class Coordinator:
             s.execute(update(Run).where(Run.id == run.id).values(bytes_down_model=Run.bytes_down_model + len(blob)))
             s.commit()
             return blob, v, row.sha256
+
+    def model_update(self, run_name: str, from_version: int, to_version: int) -> tuple[bytes, str]:
+        """(blob, sha256): the int8 change from one kept version to a later one (shared/algorithms/sync.py).
+
+        Built once per (from, to) and kept beside the snapshots, so the workers that hold the same
+        version share it; a version that is no longer kept answers 410 (fetch the full snapshot)."""
+        if to_version <= from_version:
+            raise Unprocessable(f"an update goes forward: {from_version} -> {to_version} does not")
+        with self.sessions() as s:
+            run = self._run(s, run_name)
+            if to_version > run.version:
+                raise NotFound(f"run {run_name!r} has no version {to_version} (latest is {run.version})")
+            rows = {r.version: r for r in s.scalars(select(ModelVersion).where(
+                ModelVersion.run_id == run.id, ModelVersion.version.in_([from_version, to_version])))}
+            run_id = run.id
+        if len(rows) < 2:
+            missing = from_version if from_version not in rows else to_version
+            raise Gone(f"version {missing} is no longer kept; fetch snapshots/{to_version} instead")
+        path = self.storage.update(run_id, from_version, to_version)
+        try:
+            blob = path.read_bytes()
+        except FileNotFoundError:
+            rt = self.runtimes.get(run_id)
+            if rt is None:
+                raise NotFound(f"run {run_name!r} is not loaded") from None
+            try:
+                old, _ = decode_snapshot(self.storage.snapshot(run_id, from_version).read_bytes(), schema=rt.schema)
+                new, _ = decode_snapshot(self.storage.snapshot(run_id, to_version).read_bytes(), schema=rt.schema)
+            except FileNotFoundError:
+                raise Gone(f"a snapshot between {from_version} and {to_version} is no longer kept; "
+                           f"fetch snapshots/{to_version} instead") from None
+            blob = codec.encode(sync.model_update(old, new, from_version=from_version))
+            self.storage.write(path, blob)
+        with self.sessions() as s:
+            s.execute(update(Run).where(Run.id == run_id).values(bytes_down_model=Run.bytes_down_model + len(blob)))
+            s.commit()
+        return blob, hashlib.sha256(blob).hexdigest()
 
     def shard(self, run_name: str, shard_index: int, worker: Worker) -> tuple[bytes, str]:
         with self.sessions() as s:

@@ -20,7 +20,8 @@ class CoordinatorSettings(BaseSettings):
     database_url: str | None = Field(None, description="SQLAlchemy URL; default: SQLite in data_dir")
     admin_token: str | None = Field(None, min_length=16, description="required for operator actions when set")
     max_upload_bytes: int = Field(64 << 20, ge=1024, description="largest delta body accepted")
-    snapshot_keep: int = Field(8, ge=2, description="recent snapshot versions kept on disk")
+    snapshot_keep: int = Field(32, ge=2, description="recent snapshot versions kept on disk (a worker whose "
+                                                     "last version is among them downloads only the change)")
     checkpoint_every: int = Field(20, ge=1, description="versions between merger checkpoints")
     merge_idle_s: float = Field(0.05, gt=0, description="merger's sleep when nothing is queued")
     eval_threads: int = Field(1, ge=1, le=256, description="torch threads for merging and evaluation")

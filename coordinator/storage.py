@@ -44,6 +44,10 @@ class Storage:
     def snapshot(self, run_id: int, version: int) -> Path:
         return self.run_dir(run_id) / "snapshots" / f"{version:010d}.safetensors.zst"
 
+    def update(self, run_id: int, from_version: int, to_version: int) -> Path:
+        """The int8 change between two versions (shared/algorithms/sync.py), built on first request."""
+        return self.run_dir(run_id) / "updates" / f"{from_version:010d}-{to_version:010d}.delta"
+
     def delta(self, run_id: int, seq: int) -> Path:
         return self.run_dir(run_id) / "deltas" / f"{seq:010d}.delta"
 

@@ -33,6 +33,16 @@ async def snapshot(run: str, request: Request, coord: CoordinatorDep,
     return Response(blob, media_type="application/octet-stream", headers=headers)
 
 
+@router.get("/runs/{run}/updates/{from_version}/{to_version}", response_class=Response, responses=_BINARY)
+async def model_update(run: str, from_version: RowId, to_version: RowId, coord: CoordinatorDep) -> Response:
+    """The change from one version to a later one, int8 (a delta envelope: add it to version
+    `from_version`'s weights). 410 when `from_version` is no longer kept: fetch the snapshot."""
+    blob, sha = await run_in_threadpool(coord.model_update, run, from_version, to_version)
+    return Response(blob, media_type="application/octet-stream", headers={
+        protocol.H_SHA256: sha, protocol.H_VERSION: str(to_version), "ETag": f'"{sha}"',
+        "Cache-Control": "public, max-age=31536000, immutable"})
+
+
 @router.get("/runs/{run}/shards/{shard}", response_class=Response, responses=_BINARY)
 async def shard(run: str, shard: RowId, coord: CoordinatorDep,
                 worker: CurrentWorker) -> Response:

@@ -6,6 +6,7 @@ import hashlib
 from typing import Annotated
 
 from fastapi import APIRouter, Query, Request, Response
+from starlette.requests import ClientDisconnect
 from starlette.concurrency import run_in_threadpool
 
 from coordinator.api.deps import AdminDep, CoordinatorDep, CurrentWorker, RowId
@@ -88,9 +89,12 @@ async def read_capped(request: Request, cap: int) -> bytes:
     if declared is not None and declared.isdigit() and int(declared) > cap:
         raise PayloadTooLarge(f"body of {declared} bytes exceeds the limit of {cap} bytes")
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > cap:
-            raise PayloadTooLarge(f"body exceeds the limit of {cap} bytes")
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > cap:
+                raise PayloadTooLarge(f"body exceeds the limit of {cap} bytes")
+            chunks.append(chunk)
+    except ClientDisconnect:  # the worker went away mid-upload: nothing was received, nothing changes
+        raise ServiceError("the upload was cut off before its end; send it again") from None
     return b"".join(chunks)
