@@ -53,6 +53,11 @@ def _aware(dt: datetime) -> datetime:
     return dt if dt.tzinfo else dt.replace(tzinfo=timezone.utc)
 
 
+def _unheld(shard_id) -> object:
+    """SQL condition: no live lease holds this shard (a shard changes state only when it is free)."""
+    return ~select(Lease.id).where(Lease.shard_id == shard_id, Lease.state == "active").exists()
+
+
 def _aware_or_none(dt: datetime | None) -> datetime | None:
     return None if dt is None else _aware(dt)
 
@@ -243,8 +248,9 @@ class Coordinator:
             w.revoked = True
             for lease in s.scalars(select(Lease).where(Lease.worker_id == w.id, Lease.state == "active")):
                 lease.state = "abandoned"
-                s.execute(update(Shard).where(Shard.id == lease.shard_id, Shard.state == "leased")
-                          .values(state="pending"))
+                s.flush()
+                s.execute(update(Shard).where(Shard.id == lease.shard_id, Shard.state == "leased",
+                                              _unheld(lease.shard_id)).values(state="pending"))
             s.commit()
             log.warning("run %s: worker %d revoked by the operator", run_name, worker_id)
             return self._worker_info(w)
@@ -324,8 +330,9 @@ class Coordinator:
             dead = s.scalars(select(Lease).where(Lease.state == "active", Lease.deadline <= now)).all()
             for lease in dead:
                 lease.state = "expired"
-                s.execute(update(Shard).where(Shard.id == lease.shard_id, Shard.state == "leased")
-                          .values(state="pending"))
+                s.flush()
+                s.execute(update(Shard).where(Shard.id == lease.shard_id, Shard.state == "leased",
+                                              _unheld(lease.shard_id)).values(state="pending"))
             s.commit()
             return len(dead)
 
@@ -359,8 +366,9 @@ class Coordinator:
             # A worker asking again has given up its previous lease (it restarted, or lost it).
             for old in s.scalars(select(Lease).where(Lease.worker_id == worker.id, Lease.state == "active")):
                 old.state = "abandoned"
-                s.execute(update(Shard).where(Shard.id == old.shard_id, Shard.state == "leased")
-                          .values(state="pending"))
+                s.flush()
+                s.execute(update(Shard).where(Shard.id == old.shard_id, Shard.state == "leased",
+                                              _unheld(old.shard_id)).values(state="pending"))
             s.commit()
         # Claim a shard with a conditional UPDATE: of concurrent requests that picked the same
         # shard exactly one changes the row, the others pick again (SQLite ignores FOR UPDATE).
@@ -544,8 +552,12 @@ class Coordinator:
             run.worker_steps += cfg.inner.steps
             run.bytes_up += len(body)
             s.execute(update(Lease).where(Lease.id == lease_id).values(state="delivered"))
+            # The shard is done, unless a late delivery finds it leased again to someone else: then
+            # that lease still holds it (its trained count goes up all the same).
             s.execute(update(Shard).where(Shard.id == lease.shard_id)
-                      .values(state="done", times_trained=Shard.times_trained + 1))
+                      .values(times_trained=Shard.times_trained + 1))
+            s.execute(update(Shard).where(Shard.id == lease.shard_id, _unheld(lease.shard_id))
+                      .values(state="done"))
             s.execute(update(Worker).where(Worker.id == worker.id).values(
                 tokens_trained=Worker.tokens_trained + tokens, deltas_accepted=Worker.deltas_accepted + 1,
                 bytes_up=Worker.bytes_up + len(body)))

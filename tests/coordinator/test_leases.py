@@ -159,3 +159,26 @@ def test_the_lr_follows_the_schedule(api, run_config, make_delta):
     assert abs(lrs[0] - 1e-2) < 1e-12
     assert abs(lrs[1] - (1e-3 + 0.5 * 9e-3)) < 1e-12  # cosine half way: the midpoint
     assert abs(lrs[2] - 1e-3) < 1e-12  # the floor, and it stays there
+
+
+def test_a_late_delta_does_not_free_a_shard_someone_else_holds(api, run, make_delta):
+    """Lease A expires, B takes the shard; A delivers late: the shard stays B's (not done, not
+    free to lease again, no early epoch) until B delivers."""
+    slow, fast, other = api.register(), api.register(), api.register()
+    a = api.lease(slow)
+    api.coordinator.expire_leases(now=utcnow() + LATER)
+    b = api.lease(fast)
+    assert b.shard_id == a.shard_id
+    api.accept(a.lease_id, make_delta(a, seed=1), slow)
+    assert _shard_states(api)[a.shard_id] == "leased"  # still B's
+    for _ in range(3):  # the other three shards
+        lease = api.lease(other)
+        assert lease.shard_id != a.shard_id
+        api.accept(lease.lease_id, make_delta(lease), other)
+    resp = api.client.post(f"{API}/runs/t/leases", headers=other)
+    assert resp.status_code == 204  # no new epoch while B still trains its shard
+    api.accept(b.lease_id, make_delta(b, seed=2), fast)
+    assert _shard_states(api)[a.shard_id] == "done"
+    assert api.lease(other).shard_id in range(4) and api.status()["epoch"] == 1
+    with api.coordinator.sessions() as s:
+        assert s.query(Shard).filter_by(index=a.shard_id).one().times_trained == 2
