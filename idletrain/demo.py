@@ -102,11 +102,15 @@ def run_demo(*, workers: int = 3, minutes: float = 3.0, as_json: bool = False, k
         print(f"run 'demo': {created['n_params']:,} parameters, {created['n_shards']} shards of the Python "
               f"standard library ({created['train_tokens'] / 1e6:.1f} MB), held-out {created['eval_tokens']:,} bytes",
               file=out, flush=True)
+        empty_config = data_dir / "worker.toml"
+        empty_config.write_text("# the demo's workers use their defaults, not ~/.config/idletrain/worker.toml\n")
         for i in range(workers):
             procs.append(subprocess.Popen(
                 [sys.executable, "-m", "idletrain", "worker", "run", "--coordinator", url, "--run", "demo",
                  "--threads", "1", "--device", "cpu", "--state-dir", str(data_dir / f"worker{i}"),
-                 "--name", f"demo-worker-{i}"],
+                 "--name", f"demo-worker-{i}",
+                 # the demo trains now, whatever this machine's worker.toml says (idleness, battery, caps)
+                 "--config", str(empty_config), "--when", "always", "--on-battery", "run"],
                 env=env, stdout=open(logs / f"worker{i}.log", "w"), stderr=subprocess.STDOUT))
         t_end = time.monotonic() + minutes * 60
         last_line = 0.0

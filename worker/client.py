@@ -4,6 +4,10 @@ Every answer from the coordinator is checked: hashes of snapshots and shards, si
 the snapshot's contents (safetensors, never pickle). Network errors, 5xx and 429 answers are
 retried with exponential backoff and jitter (up to max_retries per request); a 429 or 503 that
 says Retry-After is waited out as it asks. Other 4xx answers are never retried.
+
+Every answer is read in chunks, capped at max_download_bytes while it streams; with
+set_transfer(...) request bodies and answers are paced by token buckets (--max-upload-kbps,
+--max-download-kbps, worker/throttle.py) and every byte is reported to a meter (the daily cap).
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import logging
 import math
 import random
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
 
@@ -20,6 +25,7 @@ import httpx
 import zstandard
 
 from shared import protocol
+from worker.throttle import TokenBucket, paced
 
 log = logging.getLogger(__name__)
 
@@ -82,10 +88,33 @@ class CoordinatorClient:
         self.token = token
         self.max_retries = max_retries
         self.max_download_bytes = max_download_bytes
-        self.bytes_up = 0
-        self.bytes_down = 0
+        self.bytes_up = 0  # delta and exchange bodies delivered
+        self.bytes_down = 0  # snapshots, shards and exchange answers received
+        self.sent_bytes = 0  # every request body, retries included (what crossed the wire)
+        self.received_bytes = 0  # every answer body, retries included
         self._http = httpx.Client(base_url=base_url, timeout=timeout_s, transport=transport,
                                   headers={"User-Agent": f"idletrain-worker/api{protocol.API_VERSION}"})
+        self.upload_bucket: TokenBucket | None = None
+        self.download_bucket: TokenBucket | None = None
+        self.meter: Callable[[int], None] | None = None
+
+    def set_transfer(self, *, upload_bytes_per_s: float | None = None, download_bytes_per_s: float | None = None,
+                     meter: Callable[[int], None] | None = None) -> None:
+        """Pace request bodies and answers to these rates (None: as fast as the link goes) and report
+        every byte sent or received to `meter` (retries included: they cross the wire too)."""
+        self.upload_bucket = TokenBucket(upload_bytes_per_s) if upload_bytes_per_s else None
+        self.download_bucket = TokenBucket(download_bytes_per_s) if download_bytes_per_s else None
+        self.meter = meter
+
+    def _count_up(self, n: int) -> None:
+        self.sent_bytes += n
+        if self.meter is not None and n > 0:
+            self.meter(n)
+
+    def _count_down(self, n: int) -> None:
+        self.received_bytes += n
+        if self.meter is not None and n > 0:
+            self.meter(n)
 
     def close(self) -> None:
         self._http.close()
@@ -97,7 +126,7 @@ class CoordinatorClient:
         retries = self.max_retries if max_retries is None else min(max_retries, self.max_retries)
         for attempt in range(retries + 1):
             try:
-                resp = self._http.request(method, url, headers=headers, **kw)
+                resp = self._send(method, url, headers=headers, **kw)
             except httpx.TransportError as exc:
                 if attempt == retries:
                     raise
@@ -116,6 +145,37 @@ class CoordinatorClient:
                 raise CoordinatorError(code, str(detail), retry_after=wait)
             return resp
         raise AssertionError("unreachable")
+
+    def _send(self, method: str, url: str, *, headers: dict, content: bytes | None = None, **kw) -> httpx.Response:
+        """One attempt. The body goes out paced (with an explicit Content-Length: not chunked); the
+        answer comes in chunks, paced, counted and capped at max_download_bytes, and is returned
+        as a plain in-memory response."""
+        body = content
+        if content is not None and self.upload_bucket is not None:
+            headers = {**headers, "Content-Length": str(len(content))}
+            body = paced(content, self.upload_bucket, count=self._count_up)
+        request = self._http.build_request(method, url, headers=headers, content=body, **kw)
+        if self.upload_bucket is None or content is None:
+            self._count_up(len(request.content) if content is None else len(content))
+        resp = self._http.send(request, stream=True)
+        try:
+            bucket = self.download_bucket
+            chunks, size = [], 0
+            for chunk in resp.iter_bytes(bucket.chunk_bytes if bucket is not None else None):
+                size += len(chunk)
+                if size > self.max_download_bytes:
+                    raise IntegrityError(f"{method} {url}: the answer exceeds the download cap of "
+                                         f"{self.max_download_bytes} bytes")
+                if bucket is not None:
+                    bucket.take(len(chunk))
+                self._count_down(len(chunk))
+                chunks.append(chunk)
+        finally:
+            resp.close()
+        # The body is decoded already: drop the headers that describe its encoding on the wire.
+        headers_out = [(k, v) for k, v in resp.headers.multi_items()
+                       if k.lower() not in ("content-encoding", "transfer-encoding", "content-length")]
+        return httpx.Response(resp.status_code, headers=headers_out, content=b"".join(chunks), request=request)
 
     @staticmethod
     def _backoff(attempt: int, why: str, *, wait: float | None = None) -> None:

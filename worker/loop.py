@@ -10,6 +10,13 @@ delivers that delta (the coordinator answers the same bytes the same way), else 
 round it was in, and only then asks for a new lease (asking gives the previous lease up). A
 coordinator that is down or restarting is waited for, with backoff and jitter, at start and
 between rounds; what was trained meanwhile waits on disk.
+
+Manners: before each round and between local steps the governor (worker/governor.py) asks the
+policy (worker/policy.py) whether to train now: `idletrain worker pause`, the daily transfer cap,
+battery, and with --when idle the user's presence or the CPU load. A pause mid-round saves the
+round first, waits in place for a while, then lets the lease go and resumes the saved round when
+training may go on (policy.hold_limit_s says why). The status file and the display
+(worker/control.py, worker/progress.py) follow it all.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import logging
 import os
 import signal
 import threading
+from datetime import UTC, datetime
 from pathlib import Path
 
 import httpx
@@ -34,9 +42,14 @@ from worker.client import (
     backoff_delay,
     is_transient,
 )
+from worker.control import ControlFile, StatusFile, WorkerStatus
+from worker.governor import Governor
+from worker.host import HostMonitor, HostReaders, system_readers
+from worker.progress import Display, Progress, make_display
 from worker.settings import WorkerSettings
 from worker.state import RoundState, StateStore, TrainerState
-from worker.trainer import ExchangeFn, LocalTrainer, RoundResult, pick_device
+from worker.throttle import DailyTransfer
+from worker.trainer import ExchangeFn, LocalTrainer, RoundResult, RoundSuspended, pick_device
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +132,10 @@ def _why(exc: BaseException) -> str:
 
 class Worker:
     def __init__(self, settings: WorkerSettings, *, stop: StopFlag | None = None,
-                 client: CoordinatorClient | None = None) -> None:
+                 client: CoordinatorClient | None = None, host: HostReaders | None = None,
+                 display: Display | None = None) -> None:
+        """`host` reads the machine (idle time, battery, load; default: this machine's probes) and
+        `display` shows progress (default: a live panel on a terminal, log lines elsewhere)."""
         self.settings = settings
         self.stop = stop or StopFlag()
         self.tokens = TokenStore(settings.state_dir)
@@ -132,6 +148,56 @@ class Worker:
         self._snapshot: tuple[int, dict[str, torch.Tensor]] | None = None  # (version, params)
         self._registered = False
         self.rounds = 0
+        self.suspended = False  # the last round was set aside while paused (RoundSuspended)
+        # manners, progress, the control channel
+        rules = settings.rules()
+        self.transfer = DailyTransfer(settings.state_dir / "transfer.json", cap_bytes=rules.daily_transfer_bytes)
+        self._moved_bytes = 0  # this process, all traffic: the daily cap's estimate of a round
+        self.progress = Progress()
+        self.display = display if display is not None else make_display()
+        self.status_file = StatusFile(self.store.dir)
+        self._publish_lock = threading.Lock()
+        self._started_at = datetime.now(UTC).isoformat(timespec="seconds")
+        monitor = None
+        if rules.when == "idle" or rules.on_battery == "pause":
+            monitor = HostMonitor(rules, host if host is not None else system_readers())
+        self.governor = Governor(rules, control=ControlFile(self.store.dir), transfer=self.transfer,
+                                 monitor=monitor, check_every_s=settings.check_every_s, publish=self.publish,
+                                 on_resume=self.progress.restart_clock)
+
+    # -- progress and status --------------------------------------------------------------------
+
+    def _moved(self, n: int) -> None:
+        self._moved_bytes += n
+        self.transfer.add(n)
+
+    def status(self) -> WorkerStatus:
+        """What status.json and the display show, now."""
+        p, paused = self.progress, self.governor.paused
+        lease = p.lease
+        state = p.phase if p.phase == "stopped" or paused is None else "paused"
+        nxt = p.next_sync() if lease is not None and paused is None else None
+        return WorkerStatus(
+            pid=os.getpid(), coordinator=self.settings.coordinator, run=self.settings.run, state=state,
+            reason=paused.reason if state == "paused" else p.wait_reason,
+            pause_kind=paused.kind if state == "paused" else "", device=self.device.type,
+            lease=lease.lease_id if lease is not None else None, step=p.step if lease is not None else 0,
+            steps=p.steps if lease is not None else 0, loss=p.loss if lease is not None else None,
+            tokens_per_s=p.tokens_per_s() if lease is not None and state == "training" else None,
+            next_sync_in_s=nxt[1] if nxt is not None else None, rounds=self.rounds,
+            bytes_sent=self.client.sent_bytes, bytes_received=self.client.received_bytes,
+            transfer_today_bytes=self.transfer.used_today(), transfer_cap_bytes=self.transfer.cap_bytes,
+            paused_since=(self.governor.paused_since.isoformat(timespec="seconds")
+                          if state == "paused" and self.governor.paused_since else None),
+            started_at=self._started_at)
+
+    def publish(self) -> None:
+        """Write status.json and move the display on (the governor's thread calls this every few
+        seconds, the training thread at each change)."""
+        with self._publish_lock:
+            if self.store.dir.is_dir():
+                self.status_file.write(self.status())
+            self.display.tick()
 
     def ensure_token(self) -> None:
         s = self.settings
@@ -308,6 +374,7 @@ class Worker:
     def _round(self, lease: protocol.Lease, resume: RoundState | None = None) -> None:
         """Train one lease (or the rest of it), save, deliver."""
         self._check_model(lease)
+        self.progress.set_phase("downloading")
         try:
             base = None
             if resume is None and self.trainer.needs_snapshot(lease):
@@ -320,12 +387,28 @@ class Worker:
             if resume is not None:  # drop the round; keep what the trainer learnt
                 self._save_trainer()
             return
-        result = self.trainer.train_round(lease, base, tokens, exchange=self._exchange_for(lease.lease_id),
-                                          resume=resume, checkpoint=self._save,
-                                          checkpoint_every=self.settings.checkpoint_every_steps)
+        self.progress.start_round(lease, context=ModelConfig.from_dict(lease.model).context,
+                                  step=resume.step if resume is not None else 0)
+        self.publish()
+        try:
+            result = self.trainer.train_round(
+                lease, base, tokens, exchange=self._exchange_for(lease.lease_id), resume=resume,
+                checkpoint=self._save, checkpoint_every=self.settings.checkpoint_every_steps,
+                on_step=self.progress.on_step,
+                gate=lambda step, save: self.governor.hold(lease, step, save, self.stop.event))
+        except RoundSuspended as exc:
+            log.info("lease %d: round set aside at step %d/%d (saved; it resumes when training may go on)",
+                     lease.lease_id, exc.step, lease.inner.steps)
+            self.progress.end_round()
+            self.suspended = True
+            return
+        self.progress.set_phase("uploading")
         self._save_unsent(lease, result.body)  # before the trainer's state: see _restore
         self._save_trainer()
-        ack = self._deliver(lease, result.body)
+        try:
+            ack = self._deliver(lease, result.body)
+        finally:
+            self.progress.end_round()
         if ack is None:
             return
         self.rounds += 1
@@ -350,7 +433,18 @@ class Worker:
             raise RuntimeError(f"another worker process is using {self.store.dir} for run {self.settings.run!r}; "
                                "give each worker on this machine its own --state-dir")
         try:
-            return self._run()
+            self.client.set_transfer(upload_bytes_per_s=self.settings.upload_bytes_per_s(),
+                                     download_bytes_per_s=self.settings.download_bytes_per_s(), meter=self._moved)
+            self.governor.start()
+            self.display.start(self.status)
+            try:
+                return self._run()
+            finally:
+                self.progress.set_phase("stopped")
+                self.governor.stop()
+                self.display.stop()
+                self.transfer.flush()
+                self.publish()
         finally:
             self.store.unlock()
 
@@ -367,6 +461,10 @@ class Worker:
         self._restore()
         recover, failures = True, 0
         while not self.stop.event.is_set():
+            if not self.governor.wait_between_rounds(self.stop.event):
+                break
+            moved_before = self._moved_bytes
+            self.progress.set_phase("leasing")
             try:
                 if not self._registered:
                     self.ensure_token()
@@ -377,17 +475,25 @@ class Worker:
                 else:
                     lease, wait_s = self.client.lease(s.run)
                     if lease is None:
+                        self.progress.set_phase("waiting", f"no work from the coordinator; asking again in "
+                                                           f"{wait_s:.0f} s")
                         self.stop.event.wait(wait_s)
                         continue
                     self._round(lease)
+                    if not self.suspended:  # what a whole round moved: the daily cap's next estimate
+                        self.governor.next_round_bytes = self._moved_bytes - moved_before
                 failures = 0
             except (httpx.TransportError, CoordinatorError) as exc:
                 if not is_transient(exc):
                     raise
                 # The coordinator is down or restarting: wait, then deliver what is on disk first.
+                self.progress.set_phase("waiting", f"coordinator unreachable ({_why(exc)})")
                 self._wait(failures, exc)
                 failures += 1
                 recover = True
+                continue
+            if self.suspended:  # paused mid-round and let go: resume that round before any new lease
+                self.suspended, recover = False, True
                 continue
             if s.max_rounds is not None and self.rounds >= s.max_rounds:
                 break

@@ -1,13 +1,31 @@
-"""The worker's one settings object (flags override IDLETRAIN_WORKER_* variables)."""
+"""The worker's one settings object.
+
+Every field comes, first found wins, from: a command-line flag (passed as keyword arguments), an
+IDLETRAIN_WORKER_<FIELD> variable, the TOML config file (~/.config/idletrain/worker.toml, or
+--config PATH, or $IDLETRAIN_WORKER_CONFIG; keys are the field names: `when = "idle"`), the
+default. load_settings() is the entry point's way in; WorkerSettings(...) alone reads no file
+(tests build it directly, whatever the machine's config says).
+"""
 
 from __future__ import annotations
 
+import contextvars
 import os
+import tomllib
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field, ValidationError, field_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
+
+from worker.policy import Rules
+from worker.throttle import kbps_to_bytes_per_s
+
+ENV_PREFIX = "IDLETRAIN_WORKER_"
+
+# The config file the settings being built read (set by load_settings for one construction).
+_CONFIG_FILE: contextvars.ContextVar[Path | None] = contextvars.ContextVar("idletrain_worker_config", default=None)
 
 
 def default_state_dir() -> Path:
@@ -15,8 +33,12 @@ def default_state_dir() -> Path:
     return Path(base) / "idletrain"
 
 
+def default_config_file() -> Path:
+    return default_state_dir() / "worker.toml"
+
+
 class WorkerSettings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="IDLETRAIN_WORKER_", extra="forbid")
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid")
 
     coordinator: str = Field(description="coordinator base URL, e.g. http://127.0.0.1:8000")
     run: str
@@ -35,6 +57,32 @@ class WorkerSettings(BaseSettings):
     checkpoint_every_steps: int = Field(
         25, ge=0, description="save the round in flight every N local steps (0: only at round end), so a "
                               "kill or a laptop's sleep resumes it; kept under state_dir/runs/")
+    # -- manners (worker/policy.py) --
+    when: Literal["always", "idle"] = Field("always", description="train always, or only while the machine is idle")
+    idle_minutes: float = Field(5.0, ge=0, le=24 * 60, description="with when=idle: minutes without keyboard or "
+                                                                    "mouse input (or CPU load) before training")
+    on_battery: Literal["pause", "run"] | None = Field(
+        None, description="pause on battery power, or run; default: pause with when=idle, run with when=always")
+    max_other_load: float = Field(0.3, gt=0, le=1, description="with when=idle and no input idle time to go by: "
+                                                               "the machine is busy while other processes use more "
+                                                               "than this share of its CPUs")
+    max_upload_kbps: float | None = Field(None, gt=0, description="upload limit, kilobits/s (1000 = 125 KB/s)")
+    max_download_kbps: float | None = Field(None, gt=0, description="download limit, kilobits/s")
+    daily_transfer_mb: float | None = Field(None, gt=0, description="bytes sent + received per UTC day, in MB "
+                                                                    "(10^6 bytes); when reached, pause until 00:00 UTC")
+    check_every_s: float = Field(2.0, gt=0, le=60, description="how often the host is checked (idle, battery) "
+                                                               "and the status file written")
+
+    @classmethod
+    def settings_customise_sources(cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource,
+                                   env_settings: PydanticBaseSettingsSource,
+                                   dotenv_settings: PydanticBaseSettingsSource,
+                                   file_secret_settings: PydanticBaseSettingsSource,
+                                   ) -> tuple[PydanticBaseSettingsSource, ...]:
+        path = _CONFIG_FILE.get()
+        if path is None:
+            return init_settings, env_settings
+        return init_settings, env_settings, TomlConfigSettingsSource(settings_cls, toml_file=path)
 
     @field_validator("coordinator")
     @classmethod
@@ -42,3 +90,86 @@ class WorkerSettings(BaseSettings):
         if not v.startswith(("http://", "https://")):
             raise ValueError(f"coordinator URL must start with http:// or https://, got {v!r}")
         return v.rstrip("/")
+
+    def battery_policy(self) -> Literal["pause", "run"]:
+        if self.on_battery is not None:
+            return self.on_battery
+        return "pause" if self.when == "idle" else "run"
+
+    def rules(self) -> Rules:
+        cap = int(self.daily_transfer_mb * 1e6) if self.daily_transfer_mb is not None else None
+        return Rules(when=self.when, idle_s=self.idle_minutes * 60.0, on_battery=self.battery_policy(),
+                     max_other_load=self.max_other_load, daily_transfer_bytes=cap)
+
+    def upload_bytes_per_s(self) -> float | None:
+        return kbps_to_bytes_per_s(self.max_upload_kbps) if self.max_upload_kbps else None
+
+    def download_bytes_per_s(self) -> float | None:
+        return kbps_to_bytes_per_s(self.max_download_kbps) if self.max_download_kbps else None
+
+
+def config_file(explicit: str | Path | None, environ: Mapping[str, str] | None = None) -> Path | None:
+    """The config file to read: --config, else $IDLETRAIN_WORKER_CONFIG (both must exist), else the
+    default one if it exists, else none."""
+    environ = os.environ if environ is None else environ
+    chosen = explicit or environ.get(f"{ENV_PREFIX}CONFIG")
+    if chosen:
+        path = Path(chosen).expanduser()
+        if not path.is_file():
+            raise ValueError(f"config file {path} does not exist")
+        return path
+    path = default_config_file()
+    return path if path.is_file() else None
+
+
+def _read_toml(path: Path) -> dict:
+    try:
+        return tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise ValueError(f"config file {path} is not valid TOML: {exc}") from None
+    except OSError as exc:
+        raise ValueError(f"cannot read config file {path}: {exc}") from None
+
+
+def load_settings(flags: Mapping[str, object], *, config: str | Path | None = None) -> WorkerSettings:
+    """Flags (None: not given) over IDLETRAIN_WORKER_* over the config file over defaults. Raises
+    ValueError (a pydantic ValidationError among them) with a message for people."""
+    path = config_file(config)
+    if path is not None:
+        _read_toml(path)  # a clear message for broken TOML, before pydantic-settings reads it
+    token = _CONFIG_FILE.set(path)
+    try:
+        return WorkerSettings(**{k: v for k, v in flags.items() if v is not None})
+    finally:
+        _CONFIG_FILE.reset(token)
+
+
+def describe_errors(exc: ValidationError) -> str:
+    """A ValidationError as one line, saying where a missing value can come from."""
+    lines = []
+    for e in exc.errors():
+        loc = ".".join(map(str, e["loc"]))
+        if e["type"] == "missing":
+            lines.append(f"{loc}: missing (pass --{loc.replace('_', '-')}, set {ENV_PREFIX}{loc.upper()}, or "
+                         f"put `{loc} = ...` in {default_config_file()})")
+        elif e["type"] == "extra_forbidden":
+            lines.append(f"{loc}: not a worker setting")
+        else:
+            lines.append(f"{loc}: {e['msg']}")
+    return "; ".join(lines)
+
+
+def resolve_state_dir(flag: str | Path | None, *, config: str | Path | None = None) -> Path:
+    """The state dir for `idletrain worker pause|resume|status`, by the worker's own precedence:
+    --state-dir, $IDLETRAIN_WORKER_STATE_DIR, `state_dir` in the config file, the default."""
+    if flag:
+        return Path(flag).expanduser()
+    env = os.environ.get(f"{ENV_PREFIX}STATE_DIR")
+    if env:
+        return Path(env).expanduser()
+    path = config_file(config)
+    if path is not None:
+        value = _read_toml(path).get("state_dir")
+        if isinstance(value, str) and value:
+            return Path(value).expanduser()
+    return default_state_dir()

@@ -15,6 +15,10 @@ Checkpoints: export_state() is everything a restart needs (worker/state.py write
 restore_state() puts it back; train_round(checkpoint=..., checkpoint_every=N) hands one to the
 caller every N local steps, and train_round(resume=...) continues a round from one, bit for bit
 for diloco (same batches, same AdamW state, same warm-up position).
+
+Pauses: train_round(gate=...) asks the gate between local steps whether to go on; the gate may
+block (the worker is paused), first saving the round through the `save` it is handed, and may
+answer False, which ends the call with RoundSuspended (the round resumes later from that save).
 """
 
 from __future__ import annotations
@@ -47,6 +51,17 @@ log = logging.getLogger(__name__)
 ALGORITHMS = ("diloco", "sparta", "sparta+diloco")
 ExchangeFn = Callable[[int, bytes], bytes]  # (step, encoded values) -> encoded correction
 CheckpointFn = Callable[[TrainerState], None]
+# (step just done, save the round now) -> go on? Called between steps; may block while paused.
+GateFn = Callable[[int, Callable[[], None]], bool]
+
+
+class RoundSuspended(Exception):
+    """train_round stopped after `step` because its gate said so; the round was saved there first."""
+
+    def __init__(self, lease_id: int, step: int) -> None:
+        super().__init__(f"lease {lease_id} suspended after step {step}")
+        self.lease_id = lease_id
+        self.step = step
 
 
 def pick_device(requested: str = "auto") -> torch.device:
@@ -67,7 +82,7 @@ class RoundResult:
     body: bytes  # the encoded delta
     losses: list[float]  # every step of the lease, those before a resume included
     tokens: int  # trained in this call (a resumed round counts only the steps it trained)
-    seconds: float
+    seconds: float  # training time of this call (time paused at the gate left out)
     values_sent: int
     exchanges: int = 0  # answered and applied
     exchanges_failed: int = 0  # refused, failed, or still unanswered when the round ended
@@ -193,14 +208,19 @@ class LocalTrainer:
                     on_step: Callable[[int, float], None] | None = None,
                     exchange: ExchangeFn | None = None,
                     resume: RoundState | None = None,
-                    checkpoint: CheckpointFn | None = None, checkpoint_every: int = 0) -> RoundResult:
+                    checkpoint: CheckpointFn | None = None, checkpoint_every: int = 0,
+                    gate: GateFn | None = None) -> RoundResult:
         """One round. `base` (the lease's snapshot) may be None when needs_snapshot() is False.
         `exchange` sends the sparta exchanges of this lease; without it a sparta round trains alone.
 
         `checkpoint(state)` is called after every `checkpoint_every` local steps (0: never; not after
         the last step: the caller saves the round's end itself). `resume` continues the round such
         a state describes; restore_state() that state first. `on_step` sees the lease's step numbers
-        (a round resumed at step 40 goes on with 41)."""
+        (a round resumed at step 40 goes on with 41).
+
+        `gate(step, save)` runs after each step but the last; it may block, and it calls save() to
+        checkpoint the round before a long wait (through `checkpoint`; nothing is saved twice for
+        one step). When it answers False, train_round raises RoundSuspended."""
         if lease.algorithm not in ALGORITHMS:
             raise ValueError(f"this worker does not know the algorithm {lease.algorithm!r} "
                              f"(it knows {', '.join(ALGORITHMS)}): upgrade idletrain")
@@ -249,6 +269,15 @@ class LocalTrainer:
                 # flight at the interruption are lost, and those made after the last checkpoint are made
                 # again and refused (409): that costs only those corrections, never the round.
 
+        saved_at = [start]  # the step of the last checkpoint this call made (or resumed from)
+        gated_s = [0.0]  # time spent in the gate (paused): not training time
+
+        def save(step: int) -> None:
+            if checkpoint is not None and saved_at[0] != step:
+                checkpoint(self.export_state(RoundState(lease=lease, step=step, losses=list(losses),
+                                                        generator=gen.get_state(), base=round_base)))
+                saved_at[0] = step
+
         def step_hook(i: int, loss: float) -> None:
             step = start + i  # the lease's step number
             losses.append(loss)
@@ -256,9 +285,14 @@ class LocalTrainer:
                 rx.after_step(step)
             if on_step is not None:
                 on_step(step, loss)
-            if checkpoint is not None and checkpoint_every > 0 and step % checkpoint_every == 0 and step < total:
-                checkpoint(self.export_state(RoundState(lease=lease, step=step, losses=list(losses),
-                                                        generator=gen.get_state(), base=round_base)))
+            if checkpoint_every > 0 and step % checkpoint_every == 0 and step < total:
+                save(step)
+            if gate is not None and step < total:
+                t_gate = time.perf_counter()
+                go_on = gate(step, lambda: save(step))
+                gated_s[0] += time.perf_counter() - t_gate
+                if not go_on:
+                    raise RoundSuspended(lease.lease_id, step)
 
         try:
             run_steps(model, self.opt, tokens, lease.inner, lr=lease.lr, steps=total - start, generator=gen,
@@ -283,7 +317,7 @@ class LocalTrainer:
             self._last_sent = delta_to_tensors(delta, {n: tuple(t.shape) for n, t in pg.items()})
         n_tokens = (total - start) * lease.inner.batch_size * model.cfg.context
         return RoundResult(
-            body=body, losses=losses, tokens=n_tokens, seconds=time.perf_counter() - t0,
+            body=body, losses=losses, tokens=n_tokens, seconds=time.perf_counter() - t0 - gated_s[0],
             values_sent=sum(e.k for e in delta.entries),
             exchanges=rx.applied if rx else 0, exchanges_failed=rx.failed if rx else 0,
             exchanges_skipped=rx.skipped if rx else 0, exchange_bytes_up=rx.bytes_up if rx else 0,
