@@ -281,7 +281,8 @@ def test_upload_then_merge(api, run, train_delta):
 
     assert api.drain() == 1
     merged = api.status()
-    assert (merged["version"], merged["pending_deltas"], merged["merged_deltas"], merged["rejected_deltas"]) == (1, 0, 1, 0)
+    got = (merged["version"], merged["pending_deltas"], merged["merged_deltas"], merged["rejected_deltas"])
+    assert got == (1, 0, 1, 0)
     assert api.snapshot("latest") != v0
     assert api.client.get(f"{API}/runs/t/snapshots/latest").headers[protocol.H_VERSION] == "1"
     assert api.drain() == 0  # nothing more queued
@@ -334,7 +335,8 @@ BAD_UPLOADS = {
     "truncated": (422, lambda c: (c.lease.lease_id, c.good[:-7], c.headers, None)),
     "bit-flip": (422, lambda c: (c.lease.lease_id, c.good[:40] + bytes([c.good[40] ^ 0xFF]) + c.good[41:],
                                  c.headers, None)),
-    "wrong-base-version": (422, lambda c: (c.lease.lease_id, c.make_delta(c.lease, base_version=c.lease.base_version + 1),
+    "wrong-base-version": (422, lambda c: (c.lease.lease_id,
+                                          c.make_delta(c.lease, base_version=c.lease.base_version + 1),
                                           c.headers, None)),
     "unknown-tensor": (422, lambda c: (c.lease.lease_id, codec.encode(Delta(c.lease.base_version, (
         Entry("no.such.weight", 4, IndexKind.DENSE, ValueKind.FP32, np.ones(4, np.float32)),))), c.headers, None)),

@@ -86,7 +86,8 @@ def _bearer(token: str) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def fuzz_app(tmp_path_factory):
-    no_limits = {k: 0 for k in ("lease_rate", "upload_rate", "exchange_rate", "register_rate") if k in CoordinatorSettings.model_fields}
+    no_limits = {k: 0 for k in ("lease_rate", "upload_rate", "exchange_rate", "register_rate")
+                 if k in CoordinatorSettings.model_fields}
     settings_ = CoordinatorSettings(data_dir=tmp_path_factory.mktemp("fuzz") / "coordinator",
                                     admin_token=ADMIN_TOKEN, **no_limits)
     app = create_app(settings_, start_merger=False)
