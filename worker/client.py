@@ -220,6 +220,13 @@ class CoordinatorClient:
             raise IntegrityError(f"snapshot {version} does not match its announced SHA-256")
         return resp.content, int(resp.headers[protocol.H_VERSION])
 
+    def model_update(self, run: str, from_version: int, to_version: int) -> bytes:
+        """The int8 change from one version to another (shared/algorithms/sync.py), hash-checked."""
+        resp = self._download(f"{protocol.API_PREFIX}/runs/{run}/updates/{from_version}/{to_version}")
+        if hashlib.sha256(resp.content).hexdigest() != resp.headers.get(protocol.H_SHA256, ""):
+            raise IntegrityError(f"update {from_version}->{to_version} does not match its announced SHA-256")
+        return resp.content
+
     def shard(self, run: str, index: int, *, expected_sha256: str, max_tokens: int = 1 << 30) -> bytes:
         """The raw uint8 tokens of a shard, checked against the hash the lease announced."""
         resp = self._download(f"{protocol.API_PREFIX}/runs/{run}/shards/{index}")

@@ -33,12 +33,15 @@ import httpx
 import numpy as np
 import torch
 
-from shared import protocol
+from shared import codec, protocol
+from shared.algorithms import sync
+from shared.errors import DeltaFormatError
 from shared.model import ModelConfig, build_model, param_schema
 from shared.snapshot import decode_snapshot
 from worker.client import (
     CoordinatorClient,
     CoordinatorError,
+    IntegrityError,
     backoff_delay,
     is_transient,
 )
@@ -146,6 +149,7 @@ class Worker:
         self.device = pick_device(settings.device)
         self.trainer = LocalTrainer(self.device)
         self._snapshot: tuple[int, dict[str, torch.Tensor]] | None = None  # (version, params)
+        self._hops = 0  # incremental updates applied since the last full snapshot
         self._registered = False
         self.rounds = 0
         self.suspended = False  # the last round was set aside while paused (RoundSuspended)
@@ -211,12 +215,34 @@ class Worker:
         self.client.token = token
 
     def _params(self, lease: protocol.Lease) -> dict[str, torch.Tensor]:
-        if self._snapshot is not None and self._snapshot[0] == lease.base_version:
-            return self._snapshot[1]
+        """The lease's base model: the copy held, the change since it (an int8 update, a fraction
+        of the bytes), or the full snapshot (first time, after MAX_HOPS updates, or when the
+        coordinator no longer keeps the version held)."""
+        held = self._snapshot
+        if held is not None and held[0] == lease.base_version:
+            return held[1]
         schema = param_schema(build_model(ModelConfig.from_dict(lease.model)))
+        if held is not None and held[0] < lease.base_version and self._hops < sync.MAX_HOPS:
+            try:
+                blob = self.client.model_update(lease.run, held[0], lease.base_version)
+                update = codec.decode(blob, schema=schema)
+                if update.base_version != held[0]:
+                    raise DeltaFormatError(f"update starts at version {update.base_version}, not {held[0]}")
+                params = {n: t.clone() for n, t in held[1].items()}
+                sync.apply_update(params, update)
+                self._snapshot, self._hops = (lease.base_version, params), self._hops + 1
+                return params
+            except CoordinatorError as exc:
+                if exc.status not in (404, 410, 422):
+                    raise
+                log.info("no update %d -> %d (%s); downloading the snapshot", held[0], lease.base_version,
+                         _why(exc))
+            except (DeltaFormatError, IntegrityError) as exc:
+                log.warning("update %d -> %d unusable (%s); downloading the snapshot", held[0], lease.base_version,
+                            exc)
         blob, version = self.client.snapshot(lease.run, lease.base_version)
         params, _ = decode_snapshot(blob, schema=schema)
-        self._snapshot = (version, params)
+        self._snapshot, self._hops = (version, params), 0
         return params
 
     def _tokens(self, lease: protocol.Lease) -> torch.Tensor:
