@@ -441,6 +441,34 @@ def cmd_bench_convergence(args: argparse.Namespace) -> int:
     return 0 if rows else 1
 
 
+def cmd_bench_merge(args: argparse.Namespace) -> int:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return _fail("the benchmark plots with matplotlib: pip install 'idletrain[bench]'")
+    from bench.merge import INDEX_KINDS, PARAM_MODELS, run
+
+    for name in (args.params_model, args.db_model):
+        if name not in PARAM_MODELS:
+            return _fail(f"unknown model {name!r}: pick one of {', '.join(PARAM_MODELS)}")
+    if not 0 < args.fraction <= 1:
+        return _fail("--fraction must be in (0, 1]")
+    if args.deltas < 1 or args.snapshot_merges < 0 or args.db_deltas < 0:
+        return _fail("--deltas must be at least 1; --snapshot-merges and --db-deltas at least 0")
+    if args.threads is not None and args.threads < 1:
+        return _fail("--threads must be at least 1")
+    bad = [k for k in args.index if k not in INDEX_KINDS]
+    if bad or not args.index:
+        return _fail(f"--index takes one or more of {', '.join(INDEX_KINDS)}")
+    out = Path(args.out or "bench-results/merge")
+    result = run(params_model=args.params_model, fraction=args.fraction, deltas=args.deltas, threads=args.threads,
+                 out=out, index_kinds=args.index, snapshot_merges=args.snapshot_merges, db_model=args.db_model,
+                 db_deltas=args.db_deltas)
+    print((out / "results.md").read_text())
+    print(f"wrote {out / 'results.json'}, {out / 'results.md'}, {out / 'stages.png'}")
+    return 0 if result["rows"] else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="idletrain", description="Train one model on many idle machines.")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
@@ -587,6 +615,21 @@ def build_parser() -> argparse.ArgumentParser:
                                                               "(ddp always runs: it is the reference)")
     conv.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     conv.set_defaults(func=cmd_bench_convergence)
+    merge = bench.add_parser("merge", help="deltas merged per second, stage by stage, against a bare index_add_ "
+                                           "of the same size measured in the same run")
+    merge.add_argument("--params-model", default="gpt2-124m", help="gpt2-124m (124,439,808 params) or small")
+    merge.add_argument("--fraction", type=float, default=0.001, help="share of each tensor a delta carries (p)")
+    merge.add_argument("--deltas", type=int, default=200, help="deltas per index kind")
+    merge.add_argument("--threads", type=int, default=1,
+                       help="torch CPU threads (default 1: the coordinator's eval_threads default)")
+    merge.add_argument("--out", default=None, help="output folder (default bench-results/merge)")
+    merge.add_argument("--index", nargs="+", default=["random", "topk"],
+                       help="index kinds: random (seeded, only a seed travels), topk (packed indices)")
+    merge.add_argument("--snapshot-merges", type=int, default=3,
+                       help="merges timed with a snapshot written each (the live path; ~13 s each at 124M)")
+    merge.add_argument("--db-model", default="small", help="model of the Merger.step + SQLite stage")
+    merge.add_argument("--db-deltas", type=int, default=50, help="merges timed through Merger.step (0: skip)")
+    merge.set_defaults(func=cmd_bench_merge)
     return p
 
 
