@@ -10,7 +10,8 @@ from shared.config import OuterConfig
 from idletrain import cli
 from idletrain.demo import free_port
 
-SUBCOMMANDS = [[], ["coordinator"], ["coordinator", "serve"], ["run"], ["run", "create"], ["worker"],
+SUBCOMMANDS = [[], ["coordinator"], ["coordinator", "serve"], ["coordinator", "migrate"], ["run"], ["run", "create"],
+               ["worker"], ["bench", "convergence"], ["bench", "merge"],
                ["worker", "run"], ["status"], ["demo"], ["run", "list"], ["run", "show"], ["run", "pause"],
                ["run", "resume"], ["worker", "list"], ["worker", "revoke"], ["worker", "readmit"], ["export"], ["sample"]]
 
