@@ -13,7 +13,8 @@ from idletrain.demo import free_port
 SUBCOMMANDS = [[], ["coordinator"], ["coordinator", "serve"], ["coordinator", "migrate"], ["run"], ["run", "create"],
                ["worker"], ["bench", "convergence"], ["bench", "merge"],
                ["worker", "run"], ["status"], ["demo"], ["run", "list"], ["run", "show"], ["run", "pause"],
-               ["run", "resume"], ["worker", "list"], ["worker", "revoke"], ["worker", "readmit"], ["export"], ["sample"]]
+               ["run", "resume"], ["worker", "list"], ["worker", "revoke"], ["worker", "readmit"], ["export"],
+               ["sample"]]
 
 
 @pytest.mark.parametrize("argv", SUBCOMMANDS, ids=lambda a: " ".join(a) or "idletrain")
