@@ -78,12 +78,15 @@ class Merger:
             if rec is None:
                 return False
             seq, base = rec.seq, rec.base_version
+            # a snapshot every snapshot_every versions, and always when this delta is the last queued
+            snapshot = seq % self.coord.settings.snapshot_every == 0 or s.scalar(
+                select(DeltaRecord.id).where(DeltaRecord.run_id == rt.run_id, DeltaRecord.seq == seq + 1)) is None
         t0 = time.perf_counter()
         cfg = rt.config
         # The version is committed before the lock is released: an exchange that follows this
         # merge (and records after_version = this version) can never be ahead of the database.
         with rt.lock:
-            out = rt.merge(seq=seq, base_version=base)
+            out = rt.merge(seq=seq, base_version=base, write_snapshot=snapshot)
             try:
                 self._commit(rt, seq, out)
             except Exception:
@@ -112,8 +115,9 @@ class Merger:
             rec.outcome = "merged" if out.merged else "rejected"
             rec.staleness, rec.weight, rec.reason, rec.merged_at = out.staleness, out.weight, out.reason, utcnow()
             rec.norm, rec.cosine = out.norm, out.cosine
-            s.add(ModelVersion(run_id=rt.run_id, version=out.version, sha256=out.snapshot_sha256,
-                               size_bytes=out.snapshot_size))
+            if out.snapshot_sha256:  # versions between snapshots exist only in the merger's memory
+                s.add(ModelVersion(run_id=rt.run_id, version=out.version, sha256=out.snapshot_sha256,
+                                   size_bytes=out.snapshot_size))
             s.execute(update(Run).where(Run.id == rt.run_id).values(version=out.version))
             s.flush()
             self.coord.record_merge(s, rec, rt.config)
@@ -121,7 +125,8 @@ class Merger:
 
     def _gc_snapshots(self, rt: RunRuntime) -> None:
         """Keep the newest versions and any a live lease still points at; older files go."""
-        keep_from = rt.version - self.coord.settings.snapshot_keep + 1
+        settings = self.coord.settings  # keep about snapshot_keep snapshots, however far apart they are
+        keep_from = rt.version - settings.snapshot_keep * settings.snapshot_every + 1
         with self.coord.sessions() as s:
             leased = set(s.scalars(select(Lease.base_version).where(Lease.run_id == rt.run_id,
                                                                      Lease.state == "active")))

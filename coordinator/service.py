@@ -157,6 +157,13 @@ class Coordinator:
         deltas, exchanges = self._replay(rt, run.version)
         if deltas or exchanges:
             rt.write_checkpoint()
+        with self.sessions() as s:
+            if s.scalar(select(ModelVersion.id).where(ModelVersion.run_id == run.id,
+                                                      ModelVersion.version == rt.version)) is None:
+                # the crash came between snapshots: write the newest version's now, so leases hand it out
+                sha, size = rt.write_snapshot()
+                s.add(ModelVersion(run_id=run.id, version=rt.version, sha256=sha, size_bytes=size))
+                s.commit()
         log.info("run %s resumed at version %d (%d deltas replayed, %d exchanges)", run.name, rt.version,
                  deltas, exchanges)
         with self._runtimes_lock:
@@ -401,7 +408,8 @@ class Coordinator:
                 now = utcnow()
                 s.execute(update(Worker).where(Worker.id == worker.id).values(last_lease_at=now))
                 lr = scheduled_lr(cfg.inner, tokens_done=run.tokens_trained, schedule_tokens=cfg.schedule_tokens)
-                lease = Lease(run_id=run.id, worker_id=worker.id, shard_id=shard.id, base_version=run.version,
+                lease = Lease(run_id=run.id, worker_id=worker.id, shard_id=shard.id,
+                              base_version=self._newest_snapshot(s, run.id),
                               seed=0, lr=lr, deadline=scheduler.lease_deadline(now, cfg.lease_ttl_s),
                               created_at=now)
                 s.add(lease)
@@ -417,12 +425,17 @@ class Coordinator:
 
     # -- blobs --------------------------------------------------------------------------------
 
+    @staticmethod
+    def _newest_snapshot(s: Session, run_id: int) -> int:
+        """The newest version with a snapshot on disk (what leases hand out and `latest` serves)."""
+        return s.scalar(select(func.max(ModelVersion.version)).where(ModelVersion.run_id == run_id)) or 0
+
     def snapshot(self, run_name: str, version: str | int, *,
                  if_none_match: str | None = None) -> tuple[bytes | None, int, str]:
         """(blob, version, sha256); blob is None when `if_none_match` is the current ETag (nothing sent or counted)."""
         with self.sessions() as s:
             run = self._run(s, run_name)
-            v = run.version if version == "latest" else int(version)
+            v = self._newest_snapshot(s, run.id) if version == "latest" else int(version)
             row = s.scalar(select(ModelVersion).where(ModelVersion.run_id == run.id, ModelVersion.version == v))
             if row is None:
                 if 0 <= v <= run.version:

@@ -23,6 +23,9 @@ class CoordinatorSettings(BaseSettings):
     snapshot_keep: int = Field(32, ge=2, description="recent snapshot versions kept on disk (a worker whose "
                                                      "last version is among them downloads only the change)")
     checkpoint_every: int = Field(20, ge=1, description="versions between merger checkpoints")
+    snapshot_every: int = Field(1, ge=1, description="write a snapshot every N merged versions, and whenever the "
+                                                     "queue runs dry; leases hand out the newest snapshot (raise it "
+                                                     "for large models: a 124M snapshot takes seconds to write)")
     merge_idle_s: float = Field(0.05, gt=0, description="merger's sleep when nothing is queued")
     eval_threads: int = Field(1, ge=1, le=256, description="torch threads for merging and evaluation")
     # Per-worker rate limits (requests per second, burst); 0 turns one off. Over it: 429 + Retry-After.

@@ -1,0 +1,74 @@
+"""snapshot_every: snapshots every N versions and whenever the queue runs dry; leases and
+`latest` point at the newest snapshot; a restart between snapshots writes the missing one."""
+
+from __future__ import annotations
+
+import hashlib
+
+from coordinator.models import ModelVersion
+from coordinator.runtime import RunRuntime
+from coordinator.settings import CoordinatorSettings
+from shared import protocol
+from shared.config import RunConfig
+from shared.snapshot import decode_snapshot
+from tests.conftest import API, schema_of
+from tests.coordinator.test_merger import assert_same, replay
+
+
+def _versions(api) -> list[int]:
+    with api.coordinator.sessions() as s:
+        return sorted(v for (v,) in s.query(ModelVersion.version).all())
+
+
+def test_snapshots_every_n_versions_and_when_the_queue_runs_dry(tmp_path, open_api, run_config, make_delta,
+                                                                 monkeypatch):
+    settings = CoordinatorSettings(data_dir=tmp_path / "c", snapshot_every=3)
+    cfg = run_config(shard_tokens=2048)
+    with open_api(settings) as api:
+        api.create_run(cfg)
+        workers = [api.register() for _ in range(5)]
+        leases = [api.lease(h) for h in workers]
+        sent = []
+        for lease, h in zip(leases, workers):
+            body = make_delta(lease, seed=lease.lease_id)
+            api.accept(lease.lease_id, body, h)
+            sent.append((body, lease.base_version))
+        assert api.drain() == 5
+        assert _versions(api) == [0, 3, 5]  # 3: every third; 5: the queue ran dry
+        assert api.status()["version"] == 5
+        resp = api.client.get(f"{API}/runs/t/snapshots/latest")
+        assert resp.headers[protocol.H_VERSION] == "5"
+        assert api.client.get(f"{API}/runs/t/snapshots/4").status_code == 410
+        assert api.lease(workers[0]).base_version == 5
+        # the snapshot holds the merged model: the same as an independent replay
+        rcfg = RunConfig.model_validate(cfg)
+        params, _ = decode_snapshot(resp.content, schema=schema_of(leases[0]))
+        assert_same(params, replay(rcfg, sent))
+        # two more deltas queued together: one snapshot, at the end of the queue
+        more = [api.lease(h) for h in workers[1:3]]
+        for lease, h in zip(more, workers[1:3]):
+            api.accept(lease.lease_id, make_delta(lease, seed=100 + lease.lease_id), h)
+        api.drain()
+        assert _versions(api) == [0, 3, 5, 6, 7]  # 6 is a multiple of 3, 7 ends the queue
+
+        # a crash between snapshots: merge one more without its snapshot reaching the database
+        lease = api.lease(workers[3])
+        api.accept(lease.lease_id, make_delta(lease, seed=7), workers[3])
+        monkeypatch.setattr(RunRuntime, "merge", _merge_without_snapshot(RunRuntime.merge))
+        api.drain()
+        monkeypatch.undo()
+        assert _versions(api) == [0, 3, 5, 6, 7]
+    with open_api(settings) as api:
+        assert 8 in _versions(api)  # written at start, so leases can hand version 8 out
+        blob = api.snapshot("latest")
+        with api.coordinator.sessions() as s:
+            row = s.query(ModelVersion).filter_by(version=8).one()
+        assert hashlib.sha256(blob).hexdigest() == row.sha256
+        assert api.lease(api.register()).base_version == 8
+
+
+def _merge_without_snapshot(merge):
+    def patched(self, *, seq, base_version, write_snapshot=True):
+        return merge(self, seq=seq, base_version=base_version, write_snapshot=False)
+
+    return patched
