@@ -662,6 +662,25 @@ class Coordinator:
                 raise Unprocessable(f"exchange refused: {e.name} carries {e.k} values; this run exchanges "
                                     f"{want_k} of its {e.numel}")
 
+    def renew_lease(self, lease_id: int, worker: Worker) -> protocol.LeaseRenewed:
+        """Push a live lease's deadline to now + lease_ttl_s (a slow machine still training keeps its
+        shard); 410 once it expired or was given up (its shard may be someone else's by now)."""
+        self._rate_limit("lease", worker)
+        now = utcnow()
+        with self.sessions() as s:
+            lease = self._own_lease(s, lease_id, worker)
+            if lease.state != "active" or _aware(lease.deadline) <= now:
+                state = "expired" if lease.state == "active" else lease.state
+                raise Gone(f"lease {lease_id} is {state}; it can no longer be renewed")
+            cfg = RunConfig.model_validate_json(s.get(Run, lease.run_id).config_json)
+            deadline = scheduler.lease_deadline(now, cfg.lease_ttl_s)
+            renewed = s.execute(update(Lease).where(Lease.id == lease_id, Lease.state == "active")
+                                .values(deadline=deadline)).rowcount
+            if not renewed:  # expired by the sweep a moment ago
+                raise Gone(f"lease {lease_id} expired; it can no longer be renewed")
+            s.commit()
+            return protocol.LeaseRenewed(lease_id=lease_id, deadline=deadline)
+
     @staticmethod
     def _own_lease(s: Session, lease_id: int, worker: Worker) -> Lease:
         lease = s.get(Lease, lease_id)

@@ -65,6 +65,11 @@ class Lease(_Body):
                                  description="exchange settings; used when `algorithm` contains sparta")
 
 
+class LeaseRenewed(_Body):
+    lease_id: int
+    deadline: datetime = Field(description="the lease's new deadline (now + the run's lease_ttl_s)")
+
+
 class DeltaAccepted(_Body):
     lease_id: int
     delta_id: int
@@ -224,5 +229,5 @@ class RunMetrics(_Body):
 __all__ = [
     "API_PREFIX", "API_VERSION", "DeltaAccepted", "EvalPoint", "H_BASE_VERSION", "H_SHA256", "H_VERSION",
     "Health", "Lease", "RegisterRequest", "RegisterResponse", "RunConfig", "RunCreated", "RunStatus", "RunSummary",
-    "WorkerInfo", "Dashboard", "LeaderboardEntry", "LiveWorker", "RunMetrics", "TeamEntry",
+    "WorkerInfo", "LeaseRenewed", "Dashboard", "LeaderboardEntry", "LiveWorker", "RunMetrics", "TeamEntry",
 ]

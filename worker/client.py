@@ -238,6 +238,10 @@ class CoordinatorClient:
             raise IntegrityError(f"shard {index} does not match its announced SHA-256")
         return raw
 
+    def renew(self, lease_id: int) -> protocol.LeaseRenewed:
+        resp = self._request("POST", f"{protocol.API_PREFIX}/leases/{lease_id}/renew")
+        return protocol.LeaseRenewed.model_validate(resp.json())
+
     def upload_delta(self, lease_id: int, body: bytes) -> protocol.DeltaAccepted:
         resp = self._request("POST", f"{protocol.API_PREFIX}/leases/{lease_id}/delta", content=body,
                              headers={"Content-Type": "application/octet-stream"})

@@ -48,6 +48,7 @@ from worker.client import (
 from worker.control import ControlFile, StatusFile, WorkerStatus
 from worker.governor import Governor
 from worker.host import HostMonitor, HostReaders, system_readers
+from worker.lease_keeper import LeaseKeeper
 from worker.progress import Display, Progress, make_display
 from worker.settings import WorkerSettings
 from worker.state import RoundState, StateStore, TrainerState
@@ -416,12 +417,15 @@ class Worker:
         self.progress.start_round(lease, context=ModelConfig.from_dict(lease.model).context,
                                   step=resume.step if resume is not None else 0)
         self.publish()
+        keeper = LeaseKeeper(lease.lease_id, lease.deadline, renew=lambda i: self.client.renew(i).deadline,
+                             progress=lambda: self.progress.step)
         try:
-            result = self.trainer.train_round(
-                lease, base, tokens, exchange=self._exchange_for(lease.lease_id), resume=resume,
-                checkpoint=self._save, checkpoint_every=self.settings.checkpoint_every_steps,
-                on_step=self.progress.on_step,
-                gate=lambda step, save: self.governor.hold(lease, step, save, self.stop.event))
+            with keeper:  # renews the lease while the round moves (a slow machine keeps its shard)
+                result = self.trainer.train_round(
+                    lease, base, tokens, exchange=self._exchange_for(lease.lease_id), resume=resume,
+                    checkpoint=self._save, checkpoint_every=self.settings.checkpoint_every_steps,
+                    on_step=self.progress.on_step,
+                    gate=lambda step, save: self.governor.hold(lease, step, save, self.stop.event))
         except RoundSuspended as exc:
             log.info("lease %d: round set aside at step %d/%d (saved; it resumes when training may go on)",
                      lease.lease_id, exc.step, lease.inner.steps)

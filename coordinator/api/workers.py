@@ -56,6 +56,12 @@ _OCTET = {"requestBody": {"required": True, "content": {
     "application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}}}
 
 
+@router.post("/leases/{lease_id}/renew", response_model=protocol.LeaseRenewed)
+async def renew_lease(lease_id: RowId, coord: CoordinatorDep, worker: CurrentWorker) -> protocol.LeaseRenewed:
+    """Extend a live lease by the run's lease_ttl_s (workers renew while their round progresses)."""
+    return await run_in_threadpool(coord.renew_lease, lease_id, worker)
+
+
 @router.post("/leases/{lease_id}/delta", status_code=202, response_model=protocol.DeltaAccepted,
              openapi_extra=_OCTET)
 async def upload_delta(lease_id: RowId, request: Request, coord: CoordinatorDep,

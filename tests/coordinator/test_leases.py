@@ -182,3 +182,27 @@ def test_a_late_delta_does_not_free_a_shard_someone_else_holds(api, run, make_de
     assert api.lease(other).shard_id in range(4) and api.status()["epoch"] == 1
     with api.coordinator.sessions() as s:
         assert s.query(Shard).filter_by(index=a.shard_id).one().times_trained == 2
+
+
+def test_renewal_extends_a_live_lease_only(api, run, make_delta):
+    from datetime import datetime
+
+    w, other = api.register(), api.register()
+    lease = api.lease(w)
+    resp = api.client.post(f"{API}/leases/{lease.lease_id}/renew", headers=w)
+    assert resp.status_code == 200, resp.text
+    new = datetime.fromisoformat(resp.json()["deadline"])
+    assert new >= lease.deadline
+    with api.coordinator.sessions() as s:
+        stored = s.get(Lease, lease.lease_id).deadline
+    assert stored.replace(tzinfo=None) == new.replace(tzinfo=None)
+    assert api.client.post(f"{API}/leases/{lease.lease_id}/renew", headers=other).status_code == 403
+    assert api.client.post(f"{API}/leases/98765/renew", headers=w).status_code == 404
+    # an expired lease is not brought back (its shard may be someone else's)
+    api.coordinator.expire_leases(now=utcnow() + LATER)
+    resp = api.client.post(f"{API}/leases/{lease.lease_id}/renew", headers=w)
+    assert resp.status_code == 410 and "expired" in resp.json()["detail"]
+    # nor a delivered one
+    lease2 = api.lease(w)
+    api.accept(lease2.lease_id, make_delta(lease2), w)
+    assert api.client.post(f"{API}/leases/{lease2.lease_id}/renew", headers=w).status_code == 410
