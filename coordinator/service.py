@@ -336,6 +336,8 @@ class Coordinator:
         with self.sessions() as s:
             dead = s.scalars(select(Lease).where(Lease.state == "active", Lease.deadline <= now)).all()
             for lease in dead:
+                log.info("lease %d of worker %d expired; its shard goes back to the queue", lease.id,
+                         lease.worker_id)
                 lease.state = "expired"
                 s.flush()
                 s.execute(update(Shard).where(Shard.id == lease.shard_id, Shard.state == "leased",
