@@ -469,6 +469,35 @@ def cmd_bench_merge(args: argparse.Namespace) -> int:
     return 0 if result["rows"] else 1
 
 
+def cmd_bench_load(args: argparse.Namespace) -> int:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return _fail("the benchmark plots with matplotlib: pip install 'idletrain[bench]'")
+    from bench.load import DEFAULT_PG_URL, PULL_MODES, model_configs, run
+
+    if args.model not in model_configs():
+        return _fail(f"unknown model {args.model!r}: pick one of {', '.join(model_configs())}")
+    if not args.workers or min(args.workers) < 1:
+        return _fail("--workers takes one or more positive counts")
+    if args.think_s <= 0 or args.duration_s <= 0 or (args.warmup_s is not None and args.warmup_s < 0):
+        return _fail("--think-s and --duration-s must be positive, --warmup-s at least 0")
+    if not 0 < args.fraction <= 1:
+        return _fail("--fraction must be in (0, 1]")
+    if args.pull not in PULL_MODES:
+        return _fail(f"--pull takes one of {', '.join(PULL_MODES)}")
+    if (args.clients is not None and args.clients < 1) or (args.shards is not None and args.shards < 1):
+        return _fail("--clients and --shards must be at least 1")
+    out = Path(args.out or "bench-results/load")
+    result = run(workers=args.workers, think_s=args.think_s, duration_s=args.duration_s, warmup_s=args.warmup_s,
+                 database_url=None if args.sqlite else (args.database_url or DEFAULT_PG_URL), model=args.model,
+                 fraction=args.fraction, pull=args.pull, clients=args.clients, shards=args.shards, out=out,
+                 update_probe=not args.no_update_probe, keep=args.keep)
+    print((out / "results.md").read_text())
+    print(f"wrote {out / 'results.json'}, {out / 'results.md'}, {out / 'p99.png'}")
+    return 0 if result["rows"] else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="idletrain", description="Train one model on many idle machines.")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
@@ -630,6 +659,29 @@ def build_parser() -> argparse.ArgumentParser:
     merge.add_argument("--db-model", default="small", help="model of the Merger.step + SQLite stage")
     merge.add_argument("--db-deltas", type=int, default=50, help="merges timed through Merger.step (0: skip)")
     merge.set_defaults(func=cmd_bench_merge)
+    load = bench.add_parser("load", help="N simulated workers (lease, pull, push over loopback HTTP) against a "
+                                         "coordinator subprocess: latency percentiles per N")
+    load.add_argument("--workers", type=int, nargs="+", default=[10, 100, 1000], help="worker counts N, one step each")
+    load.add_argument("--think-s", type=float, default=10.0,
+                      help="seconds a worker holds its lease between pull and push (the training), jittered x0.5-1.5")
+    load.add_argument("--duration-s", type=float, default=60.0, help="measured seconds per N")
+    load.add_argument("--warmup-s", type=float, default=None, help="seconds before measuring (default think + 5)")
+    dbg = load.add_mutually_exclusive_group()
+    dbg.add_argument("--database-url", default=None, help="PostgreSQL URL; the benchmark works in a fresh schema "
+                                                          "and drops it (default $IDLETRAIN_TEST_POSTGRES or "
+                                                          "postgresql+psycopg://postgres@127.0.0.1:5432/test)")
+    dbg.add_argument("--sqlite", action="store_true", help="SQLite in the coordinator's data dir instead")
+    load.add_argument("--model", default="gpt2-124m", help="gpt2-124m (124,439,808 params) or small")
+    load.add_argument("--fraction", type=float, default=0.001, help="share of each tensor a delta carries (p)")
+    load.add_argument("--pull", default="304", help="304: revalidate the snapshot (If-None-Match); update: GET the "
+                                                    "int8 update between versions (heavy at 124M)")
+    load.add_argument("--clients", type=int, default=None, help="client processes (default one per 500 workers)")
+    load.add_argument("--shards", type=int, default=None, help="shards of the run (default: no epoch ends during "
+                                                               "the benchmark)")
+    load.add_argument("--no-update-probe", action="store_true", help="skip timing one update GET at the end")
+    load.add_argument("--keep", action="store_true", help="keep the temporary data dir (coordinator log, blobs)")
+    load.add_argument("--out", default=None, help="output folder (default bench-results/load)")
+    load.set_defaults(func=cmd_bench_load)
     return p
 
 
