@@ -380,15 +380,28 @@ class Coordinator:
                                               _unheld(old.shard_id)).values(state="pending"))
             s.commit()
         # Claim a shard with a conditional UPDATE: of concurrent requests that picked the same
-        # shard exactly one changes the row, the others pick again (SQLite ignores FOR UPDATE).
+        # shard exactly one changes the row, the others pick again (SQLite ignores FOR UPDATE). On
+        # PostgreSQL the candidate read is FOR UPDATE SKIP LOCKED, so concurrent requests take
+        # different rows instead of queueing on one. Only the few best candidates are read, never
+        # every shard of the run.
+        skip_locked = self.engine.dialect.name == "postgresql"
         tried: set[int] = set()
         for _ in range(16):
             with self.sessions() as s:
                 run = self._run(s, run_name)
-                shards = s.execute(select(Shard.id, Shard.index, Shard.state, Shard.times_trained)
-                                   .where(Shard.run_id == run.id)).all()
-                # a shard whose claim just failed is someone else's now, whatever this read says
-                views = [scheduler.ShardView(i, idx, "leased" if i in tried else st, n) for i, idx, st, n in shards]
+                query = (select(Shard.id, Shard.index, Shard.state, Shard.times_trained)
+                         .where(Shard.run_id == run.id, Shard.state == "pending", Shard.id.not_in(tried))
+                         .order_by(Shard.times_trained, Shard.index).limit(1 if skip_locked else 8))
+                if skip_locked:
+                    query = query.with_for_update(skip_locked=True, of=Shard)
+                views = [scheduler.ShardView(*row) for row in s.execute(query).all()]
+                if not views:  # nothing pending (or all being claimed): a new epoch only when every shard is done
+                    undone = dict(s.execute(select(Shard.state, func.count()).where(
+                        Shard.run_id == run.id, Shard.state != "done").group_by(Shard.state)).all())
+                    if undone.get("pending"):  # pending rows exist but others hold them this instant
+                        s.rollback()
+                        continue
+                    views = [] if undone else [scheduler.ShardView(0, 0, "done", 0)]
                 pick = scheduler.pick_shard(views)
                 if pick.shard_id is None:
                     return None
