@@ -24,13 +24,13 @@ import hashlib
 import json
 import logging
 import os
-import tempfile
 from pathlib import Path
 
 import safetensors.torch
 import torch
 
 from shared import protocol
+from shared.files import atomic_write
 
 log = logging.getLogger(__name__)
 
@@ -254,33 +254,6 @@ def decode_unsent(blob: bytes) -> UnsentDelta:
     if not sep or meta.get("format") != FORMAT:
         raise ValueError("not an unsent delta of this format")
     return UnsentDelta(lease=protocol.Lease.model_validate(meta["lease"]), body=body)
-
-
-# -- files ----------------------------------------------------------------------------------------
-
-def atomic_write(path: Path, data: bytes) -> None:
-    """Temp file, fsync, rename, fsync of the folder: a crash leaves the old file or the new one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    try:  # not every platform can open a folder (Windows); the rename is durable enough there
-        dir_fd = os.open(path.parent, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(dir_fd)
-    except OSError:
-        pass
-    finally:
-        os.close(dir_fd)
 
 
 def store_key(coordinator: str, run: str) -> str:
