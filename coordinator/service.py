@@ -58,6 +58,14 @@ def _unheld(shard_id) -> object:
     return ~select(Lease.id).where(Lease.shard_id == shard_id, Lease.state == "active").exists()
 
 
+def _end_lease(s: Session, lease: Lease, state: str) -> None:
+    """Mark a live lease expired or abandoned; its shard goes back to the queue if nobody else holds it."""
+    lease.state = state
+    s.flush()
+    s.execute(update(Shard).where(Shard.id == lease.shard_id, Shard.state == "leased", _unheld(lease.shard_id))
+              .values(state="pending"))
+
+
 def _aware_or_none(dt: datetime | None) -> datetime | None:
     return None if dt is None else _aware(dt)
 
@@ -254,10 +262,7 @@ class Coordinator:
             w = self._run_worker(s, run_name, worker_id)
             w.revoked = True
             for lease in s.scalars(select(Lease).where(Lease.worker_id == w.id, Lease.state == "active")):
-                lease.state = "abandoned"
-                s.flush()
-                s.execute(update(Shard).where(Shard.id == lease.shard_id, Shard.state == "leased",
-                                              _unheld(lease.shard_id)).values(state="pending"))
+                _end_lease(s, lease, "abandoned")
             s.commit()
             log.warning("run %s: worker %d revoked by the operator", run_name, worker_id)
             return self._worker_info(w)
@@ -338,10 +343,7 @@ class Coordinator:
             for lease in dead:
                 log.info("lease %d of worker %d expired; its shard goes back to the queue", lease.id,
                          lease.worker_id)
-                lease.state = "expired"
-                s.flush()
-                s.execute(update(Shard).where(Shard.id == lease.shard_id, Shard.state == "leased",
-                                              _unheld(lease.shard_id)).values(state="pending"))
+                _end_lease(s, lease, "expired")
             s.commit()
             return len(dead)
 
@@ -374,10 +376,7 @@ class Coordinator:
                                           f"next lease in {wait:.0f} s", retry_after=wait)
             # A worker asking again has given up its previous lease (it restarted, or lost it).
             for old in s.scalars(select(Lease).where(Lease.worker_id == worker.id, Lease.state == "active")):
-                old.state = "abandoned"
-                s.flush()
-                s.execute(update(Shard).where(Shard.id == old.shard_id, Shard.state == "leased",
-                                              _unheld(old.shard_id)).values(state="pending"))
+                _end_lease(s, old, "abandoned")
             s.commit()
         # Claim a shard with a conditional UPDATE: of concurrent requests that picked the same
         # shard exactly one changes the row, the others pick again (SQLite ignores FOR UPDATE). On
