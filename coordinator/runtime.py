@@ -183,6 +183,16 @@ class RunRuntime:
             self.last_exchange_id = exchange_id
         return correction
 
+    def centre_at(self, sent: codec.Delta) -> dict[str, torch.Tensor]:
+        """The centre's values at an exchange's indices (caller holds `lock`), for undo_exchange."""
+        return {e.name: self.state.params[e.name].view(-1)[torch.from_numpy(e.indices)].clone()
+                for e in sent.entries}
+
+    def undo_exchange(self, sent: codec.Delta, before: dict[str, torch.Tensor]) -> None:
+        """Put back what centre_at saved: an exchange refused after exchange() changes nothing."""
+        for e in sent.entries:
+            self.state.params[e.name].view(-1)[torch.from_numpy(e.indices)] = before[e.name]
+
     def eval_tokens(self) -> torch.Tensor:
         if self._eval_tokens is None:
             raw = np.fromfile(self.storage.eval_tokens(self.run_id), dtype=np.uint8)

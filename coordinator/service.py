@@ -17,7 +17,6 @@ import secrets
 import threading
 from datetime import datetime, timedelta, timezone
 
-import torch
 import zstandard
 from sqlalchemy import and_, case, func, or_, select, update
 from sqlalchemy.exc import IntegrityError
@@ -633,8 +632,7 @@ class Coordinator:
         with rt.lock:
             # Keep the centre's values at the exchanged indices, so a failure below can put them back:
             # a refused exchange changes nothing.
-            before = {e.name: rt.state.params[e.name].view(-1)[torch.from_numpy(e.indices)].clone()
-                      for e in sent.entries}
+            before = rt.centre_at(sent)
             try:
                 answer = codec.encode(rt.exchange(sent))
                 with self.sessions() as s:
@@ -648,8 +646,7 @@ class Coordinator:
                     s.commit()
                     rt.last_exchange_id = row.id
             except BaseException as exc:
-                for e in sent.entries:
-                    rt.state.params[e.name].view(-1)[torch.from_numpy(e.indices)] = before[e.name]
+                rt.undo_exchange(sent, before)
                 if isinstance(exc, IntegrityError):  # the same exchange raced itself; the first one won
                     raise Conflict(f"lease {lease_id} already exchanged after step {step}") from None
                 if isinstance(exc, ValueError):  # the correction does not fit its value codec
