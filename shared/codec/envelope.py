@@ -28,8 +28,8 @@ from collections.abc import Mapping
 import numpy as np
 import zstandard
 
-from shared.codec.indices import INDEX_CODECS, IndexKind
-from shared.codec.values import VALUE_CODECS, ValueKind
+from shared.codec.indices import INDEX_CODECS, IndexKind, seeded_indices_many
+from shared.codec.values import BLOCK, VALUE_CODECS, ValueKind
 from shared.errors import DeltaFormatError, DeltaMismatchError
 
 MAGIC = b"IDTD"
@@ -189,3 +189,172 @@ def _parse_body(raw: memoryview, schema: Mapping[str, tuple[int, ...]]) -> Delta
     if pos != len(raw):
         raise DeltaFormatError(f"{len(raw) - pos} unexpected bytes after the last entry")
     return Delta(base_version=base_version, entries=tuple(entries))
+
+
+# -- flat decoding: one delta as global indices into the model's parameters laid end to end ------
+
+
+def flat_offsets(schema: Mapping[str, tuple[int, ...]]) -> dict[str, int]:
+    """Where each tensor starts when the schema's tensors are laid end to end, in schema order."""
+    out, pos = {}, 0
+    for name, shape in schema.items():
+        out[name] = pos
+        pos += math.prod(shape)
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class FlatDelta:
+    """A decoded delta over the flat parameter vector (tensors end to end, `flat_offsets` order).
+
+    indices/values: every sparse (SEEDED or PACKED) entry, ascending global indices (entries in
+    offset order, each ascending); dense: (offset, values) per DENSE entry."""
+
+    base_version: int
+    n_entries: int
+    indices: np.ndarray  # (K,) int64
+    values: np.ndarray  # (K,) float32
+    dense: tuple[tuple[int, np.ndarray], ...] = ()
+
+    @property
+    def k(self) -> int:
+        return int(self.values.size) + sum(int(v.size) for _, v in self.dense)
+
+
+def decode_flat(buf: bytes, *, schema: Mapping[str, tuple[int, ...]], offsets: Mapping[str, int] | None = None,
+                max_body: int | None = None) -> FlatDelta:
+    """Envelope bytes -> FlatDelta: what `decode` checks and returns, on global indices.
+
+    The same checks as `decode` (a delta one refuses, the other refuses, with a DeltaFormatError),
+    but SEEDED indices are regenerated for all entries at once (`seeded_indices_many`) and INT8
+    values dequantised in one pass, instead of entry by entry."""
+    cap = max_body_bytes(schema) if max_body is None else max_body
+    if len(buf) < HEADER.size:
+        raise DeltaFormatError(f"delta of {len(buf)} bytes is shorter than its {HEADER.size}-byte header")
+    magic, version, declared = HEADER.unpack_from(buf)
+    if magic != MAGIC:
+        raise DeltaFormatError("not an idletrain delta (bad magic bytes)")
+    if version != FORMAT_VERSION:
+        raise DeltaFormatError(f"unsupported delta format version {version} (this side speaks {FORMAT_VERSION})")
+    if declared > cap:
+        raise DeltaFormatError(f"declared body of {declared} bytes exceeds the cap of {cap} bytes")
+    raw = _decompress(memoryview(buf)[HEADER.size:], declared)
+    return _parse_body_flat(memoryview(raw), schema, flat_offsets(schema) if offsets is None else offsets)
+
+
+def _parse_body_flat(raw: memoryview, schema: Mapping[str, tuple[int, ...]], offsets: Mapping[str, int]) -> FlatDelta:
+    pos = 0
+
+    def take(n: int, what: str) -> memoryview:
+        nonlocal pos
+        if pos + n > len(raw):
+            raise DeltaFormatError(f"truncated body while reading {what}")
+        out = raw[pos:pos + n]
+        pos += n
+        return out
+
+    base_version, n_entries = struct.unpack("<QI", take(12, "the body header"))
+    if n_entries > len(schema):
+        raise DeltaMismatchError(f"{n_entries} entries but the model has only {len(schema)} tensors")
+    seen: set[str] = set()
+    # per sparse entry: (offset, kind, indices or seed, numel, k, values or None, int8 section or None)
+    sparse: list[tuple] = []
+    dense: list[tuple[int, np.ndarray]] = []
+    int8 = VALUE_CODECS[ValueKind.INT8]
+    for _ in range(n_entries):
+        (name_len,) = struct.unpack("<H", take(2, "a name length"))
+        if not 0 < name_len <= MAX_NAME_BYTES:
+            raise DeltaFormatError(f"tensor name length {name_len} outside 1..{MAX_NAME_BYTES}")
+        try:
+            name = bytes(take(name_len, "a tensor name")).decode()
+        except UnicodeDecodeError:
+            raise DeltaFormatError("tensor name is not utf-8") from None
+        if name not in schema:
+            raise DeltaMismatchError(f"unknown tensor {name!r}")
+        if name in seen:
+            raise DeltaMismatchError(f"tensor {name!r} appears twice")
+        seen.add(name)
+        ik, vk, numel, k = struct.unpack("<BBQQ", take(18, f"the header of {name}"))
+        try:
+            index_kind, value_kind = IndexKind(ik), ValueKind(vk)
+        except ValueError:
+            raise DeltaFormatError(f"{name}: unknown codec (index kind {ik}, value kind {vk})") from None
+        expected = math.prod(schema[name])
+        if numel != expected:
+            raise DeltaMismatchError(f"{name}: numel {numel} but the model's tensor {schema[name]} has {expected}")
+        if not 0 < k <= numel:
+            raise DeltaMismatchError(f"{name}: carries {k} values, must be 1..{numel}")
+        if index_kind == IndexKind.SEEDED:
+            if pos + 8 > len(raw):
+                raise DeltaFormatError("truncated seed")
+            (index,) = struct.unpack("<Q", take(8, "a seed"))
+        else:
+            index, _, used = INDEX_CODECS[index_kind].decode(raw[pos:], numel=numel, k=k)
+            pos += used
+        if value_kind == ValueKind.INT8:
+            section = int8._take(raw[pos:], k)
+            pos += len(section)
+            values = None
+        else:
+            section = None
+            values, used = VALUE_CODECS[value_kind].decode(raw[pos:], k)
+            pos += used
+        if index_kind == IndexKind.DENSE:
+            if section is not None:
+                values, _ = int8.decode(section, k)
+            dense.append((offsets[name], values))
+        else:
+            sparse.append((offsets[name], index_kind, index, numel, k, values, section))
+    if pos != len(raw):
+        raise DeltaFormatError(f"{len(raw) - pos} unexpected bytes after the last entry")
+    sparse.sort(key=lambda item: item[0])
+    dense.sort(key=lambda item: item[0])
+    return FlatDelta(base_version, n_entries, _flat_indices(sparse), _flat_values(sparse), tuple(dense))
+
+
+def _flat_indices(sparse: list[tuple]) -> np.ndarray:
+    if not sparse:
+        return np.zeros(0, dtype=np.int64)
+    seeded = [item for item in sparse if item[1] == IndexKind.SEEDED]
+    regenerated = seeded_indices_many([item[2] for item in seeded], [item[3] for item in seeded],
+                                      [item[4] for item in seeded], [item[0] for item in seeded])
+    pieces, at = [], 0
+    for off, kind, index, _numel, k, _values, _section in sparse:
+        if kind == IndexKind.SEEDED:
+            pieces.append(regenerated[at:at + k])
+            at += k
+        else:
+            pieces.append(index + off)
+    return np.concatenate(pieces)
+
+
+def _flat_values(sparse: list[tuple]) -> np.ndarray:
+    """Every sparse entry's values, in order; INT8 sections dequantised together."""
+    sections = [(item[6], item[4]) for item in sparse if item[6] is not None]
+    if sections:
+        nblocks = [-(-k // BLOCK) for _, k in sections]
+        scales = np.frombuffer(b"".join(bytes(s[: 4 * nb]) for (s, _), nb in zip(sections, nblocks)),
+                               dtype="<f4").astype(np.float32)
+        if not np.all(np.isfinite(scales)):
+            raise DeltaMismatchError("quantisation scales contain NaN or Inf")
+        if np.any(scales < 0):
+            raise DeltaMismatchError("quantisation scales must not be negative")
+        q = np.frombuffer(b"".join(bytes(s[4 * nb:]) for (s, _), nb in zip(sections, nblocks)), dtype=np.int8)
+        ks = np.asarray([k for _, k in sections], dtype=np.int64)
+        # scale of each value: its entry's first scale + its block within the entry
+        first_scale = np.concatenate(([0], np.cumsum(nblocks)[:-1]))
+        first_value = np.concatenate(([0], np.cumsum(ks)[:-1]))
+        entry = np.repeat(np.arange(ks.size), ks)
+        block = (np.arange(q.size, dtype=np.int64) - first_value[entry]) // BLOCK + first_scale[entry]
+        with np.errstate(over="ignore"):
+            deq = q.astype(np.float32) * scales[block]
+        if not np.all(np.isfinite(deq)):
+            raise DeltaMismatchError("dequantised values contain NaN or Inf")
+    pieces, at = [], 0
+    for item in sparse:
+        if item[6] is not None:
+            pieces.append(deq[at:at + item[4]])
+            at += item[4]
+        else:
+            pieces.append(np.asarray(item[5], dtype=np.float32))
+    return np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.float32)

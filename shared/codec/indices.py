@@ -67,6 +67,94 @@ def seeded_indices(seed: int, numel: int, k: int) -> np.ndarray:
         draws *= 2
 
 
+def seeded_indices_many(seeds, numels, ks, offsets=None) -> np.ndarray:
+    """Many `seeded_indices` at once: the concatenation, in the order given, of
+    offsets[i] + seeded_indices(seeds[i], numels[i], ks[i]) (int64).
+
+    Bit-identical to calling `seeded_indices` per tensor (the same first k distinct values of
+    each SplitMix64 stream), but vectorised over every tensor: one stream computation and one
+    sort for all of them instead of an np.unique and two sorts per tensor. offsets=None: local
+    indices (offset 0 each). Tensors outside the vectorised case (dense draws, k == numel, too
+    few distinct draws, keys too wide) fall back to `seeded_indices` one by one.
+    """
+    seeds = [int(x) & 0xFFFFFFFFFFFFFFFF for x in seeds]
+    numels = np.asarray(numels, dtype=np.int64).reshape(-1)
+    ks = np.asarray(ks, dtype=np.int64).reshape(-1)
+    e = len(seeds)
+    if not numels.size == ks.size == e:
+        raise ValueError("seeds, numels and ks must have the same length")
+    offs = np.zeros(e, dtype=np.int64) if offsets is None else np.asarray(offsets, dtype=np.int64).reshape(-1)
+    if np.any(ks < 0) or np.any(ks > numels):
+        bad = int(np.argmax((ks < 0) | (ks > numels)))
+        raise ValueError(f"k={int(ks[bad])} must be within [0, numel={int(numels[bad])}]")
+    pieces: list[np.ndarray | None] = [None] * e
+    fast = (ks > 0) & (4 * ks <= numels)
+    for i in np.flatnonzero(~fast):
+        pieces[i] = seeded_indices(seeds[i], int(numels[i]), int(ks[i])) + offs[i]
+    fi = np.flatnonzero(fast)
+    if fi.size:
+        # Work in a private layout (cumulative numels) so the ranges are disjoint and ascending.
+        f_numel, f_k = numels[fi], ks[fi]
+        base = np.concatenate(([0], np.cumsum(f_numel)[:-1]))
+        draws = f_k + 16 + f_k // 8
+        total = int(draws.sum())
+        pos_bits = max(1, total.bit_length())
+        span = int(base[-1] + f_numel[-1])
+        if span.bit_length() + pos_bits > 63:  # keys would not fit: one by one
+            for i in fi:
+                pieces[i] = seeded_indices(seeds[i], int(numels[i]), int(ks[i])) + offs[i]
+        else:
+            starts = np.concatenate(([0], np.cumsum(draws)[:-1]))
+            seg = np.repeat(np.arange(fi.size), draws)
+            pos = np.arange(total, dtype=np.int64)
+            with np.errstate(over="ignore"):
+                j = (pos - starts[seg] + 1).astype(np.uint64)
+                z = np.asarray([seeds[i] for i in fi], dtype=np.uint64)[seg] + j * _GAMMA
+                z = (z ^ (z >> np.uint64(30))) * _M1
+                z = (z ^ (z >> np.uint64(27))) * _M2
+                z = z ^ (z >> np.uint64(31))
+                cand = z % f_numel.astype(np.uint64)[seg] + base.astype(np.uint64)[seg]
+                keys = np.sort((cand << np.uint64(pos_bits)) | pos.astype(np.uint64))  # by value, then draw
+            val = (keys >> np.uint64(pos_bits)).astype(np.int64)
+            p_sorted = (keys & np.uint64((1 << pos_bits) - 1)).astype(np.int64)
+            first = np.ones(total, dtype=bool)
+            first[1:] = val[1:] != val[:-1]  # ranges are disjoint: repeats are within one tensor
+            distinct = np.ones(total, dtype=bool)
+            distinct[p_sorted[~first]] = False  # later draws of a value already drawn
+            csum = np.cumsum(distinct)
+            before = np.concatenate(([0], csum[starts[1:] - 1]))  # distinct draws before each segment
+            rank = csum - before[seg]  # 1-based rank of each distinct draw within its tensor
+            got = csum[starts + draws - 1] - before
+            keep = distinct & (rank <= f_k[seg])
+            kept = val[keep[p_sorted]]  # ascending; segment by segment
+            counts = np.minimum(got, f_k)
+            bounds = np.concatenate(([0], np.cumsum(counts)))
+            for t, i in enumerate(fi):
+                if got[t] < f_k[t]:  # too few distinct draws: the reference draws more
+                    pieces[i] = seeded_indices(seeds[i], int(numels[i]), int(ks[i])) + offs[i]
+                else:
+                    pieces[i] = kept[bounds[t]:bounds[t + 1]] - (base[t] - offs[i])
+    if not pieces:
+        return np.zeros(0, dtype=np.int64)
+    return np.concatenate(pieces).astype(np.int64, copy=False)
+
+
+def unpack_indices(buf, *, width: int, k: int) -> np.ndarray:
+    """k indices of `width` bits each, most significant bit first, from bytes `buf` (int64)."""
+    nbytes = (k * width + 7) // 8
+    if width > 56:  # an 8-byte window cannot hold the bits: the bit matrix
+        bits = np.unpackbits(np.frombuffer(buf[:nbytes], dtype=np.uint8))[: k * width]
+        weights = np.uint64(1) << np.arange(width - 1, -1, -1, dtype=np.uint64)
+        return (bits.reshape(k, width).astype(np.uint64) * weights).sum(axis=1, dtype=np.uint64).astype(np.int64)
+    padded = np.zeros(nbytes + 8, dtype=np.uint8)
+    padded[:nbytes] = np.frombuffer(buf[:nbytes], dtype=np.uint8)
+    # Overlapping big-endian 8-byte windows, one starting at every byte (a strided view, no copy).
+    windows = np.ndarray(shape=(nbytes + 1,), dtype=">u8", buffer=padded.data, strides=(1,))
+    bitpos = np.arange(k, dtype=np.int64) * width
+    word = windows[bitpos >> 3].astype(np.uint64)
+    return ((word << (bitpos & 7).astype(np.uint64)) >> np.uint64(64 - width)).astype(np.int64)
+
+
 def _bits_for(numel: int) -> int:
     return max(1, int(numel - 1).bit_length())
 
@@ -141,10 +229,7 @@ class PackedIndices(IndexCodec):
         nbytes = (k * width + 7) // 8
         if len(buf) < 1 + nbytes:
             raise DeltaFormatError("truncated packed indices")
-        bits = np.unpackbits(np.frombuffer(buf[1:1 + nbytes], dtype=np.uint8))[: k * width]
-        weights = np.uint64(1) << np.arange(width - 1, -1, -1, dtype=np.uint64)
-        idx = (bits.reshape(k, width).astype(np.uint64) * weights).sum(axis=1, dtype=np.uint64)
-        idx = idx.astype(np.int64)
+        idx = unpack_indices(buf[1:1 + nbytes], width=width, k=k)
         if k and idx.max() >= numel:
             raise DeltaMismatchError(f"index {int(idx.max())} out of range for numel {numel}")
         if k > 1 and not np.all(idx[1:] > idx[:-1]):

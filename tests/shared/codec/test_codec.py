@@ -17,9 +17,10 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from shared.codec import (
-    BLOCK, FORMAT_VERSION, MAGIC, Delta, Entry, IndexKind, ValueKind, decode, encode, max_body_bytes,
-    seeded_indices, splitmix64,
+    BLOCK, FORMAT_VERSION, MAGIC, Delta, Entry, FlatDelta, IndexKind, ValueKind, decode, decode_flat, encode,
+    flat_offsets, max_body_bytes, seeded_indices, seeded_indices_many, splitmix64,
 )
+from shared.codec.indices import INDEX_CODECS
 from shared.errors import DeltaFormatError, DeltaMismatchError
 
 SCHEMA = {"emb": (40, 8), "w": (7, 5), "b": (13,), "one": (1,)}  # numel 320 (two int8 blocks), 35, 13, 1
@@ -658,3 +659,100 @@ def test_single_byte_mutations_are_caught_or_harmless(sent, data):
         assert_schema_valid(decode(envelope(bytes(raw)), schema=SCHEMA), SCHEMA)
     except DeltaFormatError:
         pass
+
+
+# ---------------------------------------------------------------------------------------------
+# the coordinator's fast paths: seeded_indices_many, decode_flat (same answers as the reference)
+
+
+def assert_flat_equals(d: Delta, fd: FlatDelta, schema) -> None:
+    offsets = flat_offsets(schema)
+    assert fd.base_version == d.base_version and fd.n_entries == len(d.entries)
+    sparse = sorted((e for e in d.entries if e.indices is not None), key=lambda e: offsets[e.name])
+    idx = [e.indices + offsets[e.name] for e in sparse]
+    np.testing.assert_array_equal(fd.indices, np.concatenate(idx) if idx else np.zeros(0, np.int64))
+    vals = [e.values for e in sparse]
+    np.testing.assert_array_equal(fd.values, np.concatenate(vals) if vals else np.zeros(0, np.float32))
+    assert fd.indices.dtype == np.int64 and fd.values.dtype == np.float32
+    dense = sorted((e for e in d.entries if e.indices is None), key=lambda e: offsets[e.name])
+    assert [o for o, _ in fd.dense] == [offsets[e.name] for e in dense]
+    for (_, v), e in zip(fd.dense, dense):
+        np.testing.assert_array_equal(v, e.values)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, MASK64), st.integers(1, 5000), st.floats(0, 1)), min_size=0, max_size=8),
+       st.integers(0, 1000))
+def test_seeded_indices_many_is_seeded_indices(specs, start):
+    seeds = [s for s, _, _ in specs]
+    numels = [n for _, n, _ in specs]
+    ks = [int(f * f * n) for _, n, f in specs]  # mostly sparse, some dense, some k == 0 or numel
+    offsets = np.cumsum([start] + numels)[:-1]
+    want = [seeded_indices(s, n, k) for s, n, k in zip(seeds, numels, ks)]
+    got = seeded_indices_many(seeds, numels, ks, offsets)
+    np.testing.assert_array_equal(got, np.concatenate([w + o for w, o in zip(want, offsets)] or [np.zeros(0)]))
+    assert got.dtype == np.int64
+    np.testing.assert_array_equal(seeded_indices_many(seeds, numels, ks),
+                                  np.concatenate(want or [np.zeros(0)]).astype(np.int64))
+
+
+def test_seeded_indices_many_with_many_collisions_and_a_redraw():
+    # tiny tensors at k = numel / 4 collide a lot; some seeds need more draws than the first batch
+    seeds = list(range(2000))
+    got = seeded_indices_many(seeds, [8] * 2000, [2] * 2000)
+    np.testing.assert_array_equal(got, np.concatenate([seeded_indices(s, 8, 2) for s in seeds]))
+    with pytest.raises(ValueError, match="k="):
+        seeded_indices_many([1], [10], [11])
+
+
+@pytest.mark.parametrize("width", [1, 2, 7, 8, 9, 27, 31, 33, 56, 57, 60])
+def test_packed_indices_every_width(width):
+    numel = (1 << width) if width < 63 else (1 << 62)
+    rng = np.random.default_rng(width)
+    k = min(numel, 300)
+    idx = np.unique(rng.integers(0, numel, k, dtype=np.int64)) if numel > 10_000 else \
+        np.sort(rng.choice(numel, k, replace=False)).astype(np.int64)
+    got, _, used = INDEX_CODECS[IndexKind.PACKED].decode(memoryview(packed(idx, width)), numel=numel, k=idx.size)
+    np.testing.assert_array_equal(got, idx)
+    assert used == 1 + (idx.size * width + 7) // 8
+
+
+@given(deltas())
+@FAST
+def test_decode_flat_equals_decode(sent):
+    buf = encode(sent)
+    assert_flat_equals(decode(buf, schema=SCHEMA), decode_flat(buf, schema=SCHEMA), SCHEMA)
+
+
+@given(deltas(), st.data())
+@FAST
+def test_decode_flat_refuses_what_decode_refuses(sent, data):
+    raw = bytearray(zstandard.ZstdDecompressor().decompress(encode(sent)[16:]))
+    if raw:
+        for _ in range(data.draw(st.integers(1, 3), label="mutations")):
+            pos = data.draw(st.integers(0, len(raw) - 1), label="body byte")
+            raw[pos] ^= data.draw(st.integers(1, 255), label="body xor")
+    buf = envelope(bytes(raw))
+    try:
+        d = decode(buf, schema=SCHEMA)
+    except DeltaFormatError:
+        with pytest.raises(DeltaFormatError):
+            decode_flat(buf, schema=SCHEMA)
+    else:
+        assert_flat_equals(d, decode_flat(buf, schema=SCHEMA), SCHEMA)
+
+
+@given(st.one_of(st.binary(max_size=200).map(envelope), _bodies_near_valid()))
+@FAST
+def test_decode_flat_refuses_what_decode_refuses_near_valid(buf):
+    try:
+        d = decode(buf, schema=SCHEMA)
+    except DeltaFormatError:
+        with pytest.raises(DeltaFormatError):
+            decode_flat(buf, schema=SCHEMA)
+    else:
+        assert_flat_equals(d, decode_flat(buf, schema=SCHEMA), SCHEMA)
+
+
+def test_flat_offsets_follow_the_schema():
+    assert flat_offsets(SCHEMA) == {"emb": 0, "w": 320, "b": 355, "one": 368}
