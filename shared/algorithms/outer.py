@@ -18,12 +18,13 @@ step (Nesterov SGD on the averaged pseudo-gradient); no delta ever waits for ano
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Mapping
 
 import numpy as np
 import torch
 
-from shared.codec import Delta
+from shared.codec import Delta, FlatDelta
 from shared.config import OuterConfig
 
 
@@ -97,3 +98,188 @@ def _momentum_step(state: OuterState, cfg: OuterConfig) -> None:
             m.mul_(mu).add_(acc, alpha=1.0 / cfg.group)
         acc.zero_()
     state.in_group = 0
+
+
+# -- the coordinator's form: one flat vector, the dense momentum pass made lazy -----------------
+
+FOLD_GAIN = 16.0  # fold the scaled form back into plain weights once T holds more than this x m
+MIN_SCALE = 2.0 ** -60  # ...or once the momentum's scale nears underflow
+
+
+class FlatOuter:
+    """The same merge rule as `apply_delta` on all tensors laid end to end, with the dense
+    momentum step replaced by two scalars and a sparse update.
+
+    Kept: T, M (flat fp32 vectors), scalars s > 0 and C >= 0, the group's pending deltas (w g,
+    sparse), so that
+
+        weights  theta = T - C * M
+        momentum m     = s * M
+        accumulator    = the sum of the pending deltas
+
+    A delta:        T -= lr/G * w g (its k elements); w g joins the pending list.
+    Momentum step:  s' = mu s; D = acc / (G s') (sparse: the group's elements only); M += D;
+                    Nesterov:   T += C D,  C' = C + lr mu s'
+                    heavy-ball: C' = C + lr mu s,  T += C' D
+    which is exactly m' = mu m + acc / G and theta' = theta - lr mu m' (Nesterov; heavy-ball uses
+    the old m) on every element, touched or not, up to float rounding: O(k) per delta and per
+    group instead of a dense pass over 3 n. Rounding: T carries (C/s) m on top of the weights, so
+    once C/s exceeds FOLD_GAIN (for mu = 0.2 every 4th group, for 0.9 every ~9th) the form is
+    folded back (T = theta, M = m, s = 1, C = 0; one dense pass), keeping the error of theta
+    within a few ulps of FOLD_GAIN * |m|. mu = 0 folds every group and steps densely (m = acc/G).
+    """
+
+    def __init__(self, *, shapes: Mapping[str, tuple[int, ...]], t: torch.Tensor, m: torch.Tensor,
+                 scale: float = 1.0, carry: float = 0.0, in_group: int = 0,
+                 pending: list[tuple[torch.Tensor | None, int, torch.Tensor]] | None = None) -> None:
+        self.shapes = {n: tuple(s) for n, s in shapes.items()}
+        self.offsets: dict[str, int] = {}
+        pos = 0
+        for name, shape in self.shapes.items():
+            self.offsets[name] = pos
+            pos += int(np.prod(shape, dtype=np.int64))
+        self.n = pos
+        if t.shape != (pos,) or m.shape != (pos,):
+            raise ValueError(f"flat state of {tuple(t.shape)} / {tuple(m.shape)} does not fit {pos} parameters")
+        self.t, self.m = t, m
+        self.scale, self.carry = float(scale), float(carry)
+        self.in_group = in_group
+        # (global indices or None for a dense run, offset of a dense run, weighted values)
+        self.pending: list[tuple[torch.Tensor | None, int, torch.Tensor]] = list(pending or [])
+
+    # -- conversions -------------------------------------------------------------------------
+
+    @classmethod
+    def from_state(cls, state: OuterState, shapes: Mapping[str, tuple[int, ...]] | None = None) -> FlatOuter:
+        """The flat form of `state` (copies it): T = weights, M = momentum, s = 1, C = 0."""
+        shapes = {n: tuple(t.shape) for n, t in state.params.items()} if shapes is None else shapes
+        t = torch.cat([state.params[n].detach().reshape(-1).to(torch.float32) for n in shapes])
+        m = torch.cat([state.momentum[n].detach().reshape(-1).to(torch.float32) for n in shapes])
+        acc = torch.cat([state.accum[n].detach().reshape(-1).to(torch.float32) for n in shapes])
+        out = cls(shapes=shapes, t=t, m=m, in_group=state.in_group)
+        support = torch.nonzero(acc).reshape(-1)
+        if support.numel():  # the group so far, as one sparse pending delta
+            out.pending.append((support, 0, acc[support].clone()))
+        return out
+
+    def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {n: flat[o:o + int(np.prod(s, dtype=np.int64))].view(s) for (n, s), o
+                in zip(self.shapes.items(), self.offsets.values())}
+
+    def weights_flat(self) -> torch.Tensor:
+        """theta = T - C M (T itself, not a copy, while C = 0)."""
+        return self.t if self.carry == 0.0 else torch.sub(self.t, self.m, alpha=self.carry)
+
+    def momentum_flat(self) -> torch.Tensor:
+        return self.m if self.scale == 1.0 else self.m * self.scale
+
+    def accum_flat(self) -> torch.Tensor:
+        acc = torch.zeros(self.n, dtype=torch.float32)
+        self._scatter(acc, 1.0)
+        return acc
+
+    def params(self) -> dict[str, torch.Tensor]:
+        """The current global model, name -> tensor (views of T while C = 0: read, don't write)."""
+        return self.views(self.weights_flat())
+
+    def to_state(self) -> OuterState:
+        """The plain form (copies): what OuterState and apply_delta would hold now."""
+        return OuterState(params=self.views(self.weights_flat().clone()),
+                          momentum=self.views(self.momentum_flat().clone()),
+                          accum=self.views(self.accum_flat()), in_group=self.in_group)
+
+    def checkpoint(self) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+        """Exactly this state (the scaled form as is, so a restart continues bit for bit): tensors, metadata."""
+        tensors = {"flat/t": self.t, "flat/m": self.m}
+        for i, (idx, off, vals) in enumerate(self.pending):
+            tensors[f"pending/{i}/values"] = vals.contiguous()
+            if idx is not None:
+                tensors[f"pending/{i}/indices"] = idx.contiguous()
+        meta = {"outer_form": "flat1", "outer_scale": repr(self.scale), "outer_carry": repr(self.carry),
+                "outer_layout": json.dumps([[n, list(s)] for n, s in self.shapes.items()]),
+                # per pending delta: the offset of a dense run, or null for a sparse one (its indices travel)
+                "outer_pending_dense": json.dumps([off if idx is None else None for idx, off, _ in self.pending])}
+        return tensors, meta
+
+    @classmethod
+    def from_checkpoint(cls, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, str], *,
+                        in_group: int) -> FlatOuter:
+        shapes = {n: tuple(s) for n, s in json.loads(meta["outer_layout"])}
+        pending = []
+        for i, off in enumerate(json.loads(meta["outer_pending_dense"])):
+            vals = tensors[f"pending/{i}/values"].to(torch.float32)
+            pending.append((None, off, vals) if off is not None else (tensors[f"pending/{i}/indices"], 0, vals))
+        return cls(shapes=shapes, t=tensors["flat/t"].to(torch.float32), m=tensors["flat/m"].to(torch.float32),
+                   scale=float(meta["outer_scale"]), carry=float(meta["outer_carry"]), in_group=in_group,
+                   pending=pending)
+
+    # -- sparse reads and writes of the weights (exchanges) ------------------------------------
+
+    def weights_at(self, idx: torch.Tensor) -> torch.Tensor:
+        t = self.t[idx]
+        return t if self.carry == 0.0 else t.sub_(self.m[idx], alpha=self.carry)
+
+    # -- the merge rule --------------------------------------------------------------------------
+
+    def apply(self, delta: FlatDelta, *, weight: float, cfg: OuterConfig) -> None:
+        """apply_delta for a decoded FlatDelta (same arithmetic per element, momentum step lazily)."""
+        share = cfg.lr / cfg.group
+        if delta.values.size:
+            idx = torch.from_numpy(delta.indices)
+            vals = torch.from_numpy(np.asarray(delta.values, dtype=np.float32)) * weight
+            self.t.index_add_(0, idx, vals, alpha=-share)
+            self.pending.append((idx, 0, vals))
+        for off, v in delta.dense:
+            vals = torch.from_numpy(np.asarray(v, dtype=np.float32)) * weight
+            self.t[off:off + vals.numel()].sub_(vals, alpha=share)
+            self.pending.append((None, off, vals))
+        self.in_group += 1
+        if self.in_group >= cfg.group:
+            self._momentum_step(cfg)
+
+    def _scatter(self, target: torch.Tensor, alpha: float) -> None:
+        """target += alpha * (the pending deltas)."""
+        sparse = [(idx, vals) for idx, _, vals in self.pending if idx is not None]
+        if len(sparse) == 1:
+            target.index_add_(0, sparse[0][0], sparse[0][1], alpha=alpha)
+        elif sparse:
+            target.index_add_(0, torch.cat([i for i, _ in sparse]), torch.cat([v for _, v in sparse]), alpha=alpha)
+        for idx, off, vals in self.pending:
+            if idx is None:
+                target[off:off + vals.numel()].add_(vals, alpha=alpha)
+
+    def fold(self) -> None:
+        """Back to the plain form (T = theta, M = m, s = 1, C = 0): one dense pass."""
+        if self.carry != 0.0:
+            self.t.sub_(self.m, alpha=self.carry)
+        if self.scale != 1.0:
+            self.m.mul_(self.scale)
+        self.scale, self.carry = 1.0, 0.0
+
+    def _momentum_step(self, cfg: OuterConfig) -> None:
+        mu, lr, group = cfg.momentum, cfg.lr, cfg.group
+        s_new = mu * self.scale
+        c_new = self.carry + lr * mu * (s_new if cfg.nesterov else self.scale)
+        if s_new < MIN_SCALE or c_new > FOLD_GAIN * s_new:
+            self.fold()
+            s_new = mu
+            c_new = lr * mu * (s_new if cfg.nesterov else 1.0)
+            if s_new < MIN_SCALE:  # no momentum to speak of: the plain dense step
+                if cfg.nesterov:
+                    self.m.mul_(mu)
+                    self._scatter(self.m, 1.0 / group)
+                    if mu:
+                        self.t.sub_(self.m, alpha=lr * mu)
+                else:
+                    if mu:
+                        self.t.sub_(self.m, alpha=lr * mu)
+                    self.m.mul_(mu)
+                    self._scatter(self.m, 1.0 / group)
+                self.pending, self.in_group = [], 0
+                return
+        c_t = self.carry if cfg.nesterov else c_new
+        self._scatter(self.m, 1.0 / (group * s_new))
+        if c_t:
+            self._scatter(self.t, c_t / (group * s_new))
+        self.scale, self.carry = s_new, c_new
+        self.pending, self.in_group = [], 0

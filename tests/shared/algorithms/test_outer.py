@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
 
-from shared.algorithms.outer import OuterState, apply_delta, staleness_weight
+from shared import codec
+from shared.algorithms.outer import FlatOuter, OuterState, apply_delta, staleness_weight
 from shared.codec import Delta, Entry, IndexKind, ValueKind
 from shared.config import OuterConfig
 
@@ -174,3 +177,138 @@ def test_outer_step_moves_against_the_pseudo_gradient():
     apply_delta(state, dense_delta({n: base[n] - local[n] for n in SHAPES}), weight=1.0, cfg=cfg)
     for n in SHAPES:
         torch.testing.assert_close(state.params[n], local[n])
+
+
+# -- FlatOuter: the coordinator's lazy form of the same rule -------------------------------------
+
+def flat(delta: Delta):
+    """The FlatDelta the coordinator decodes from `delta` (through the real wire format)."""
+    return codec.decode_flat(codec.encode(delta), schema=SHAPES)
+
+
+def random_delta(rng: np.random.Generator, i: int) -> Delta:
+    """Sparse (packed, seeded), dense or partial deltas, to cover every pending kind."""
+    g = params(1000 + i)
+    kind = i % 4
+    entries = []
+    for n, t in g.items():
+        v = t.reshape(-1).numpy().astype(np.float32)
+        if kind == 3 and n == "w":
+            continue  # a partial delta
+        if kind == 0 or (kind == 3 and n == "b"):
+            entries.append(Entry(n, v.size, IndexKind.DENSE, ValueKind.FP32, v))
+        elif kind == 1:
+            idx = np.sort(rng.choice(v.size, max(1, v.size // 3), replace=False)).astype(np.int64)
+            entries.append(Entry(n, v.size, IndexKind.PACKED, ValueKind.FP32, v[idx], idx))
+        else:
+            seed = int(rng.integers(0, 2**63))
+            idx = codec.seeded_indices(seed, v.size, max(1, v.size // 5))
+            entries.append(Entry(n, v.size, IndexKind.SEEDED, ValueKind.FP32, v[idx], idx, seed))
+    return Delta(0, tuple(entries))
+
+
+def assert_same_state(flat_state: FlatOuter, ref: OuterState, tol: float = 2e-5) -> None:
+    got = flat_state.to_state()
+    assert got.in_group == ref.in_group
+    for part in ("params", "momentum", "accum"):
+        for n in SHAPES:
+            torch.testing.assert_close(getattr(got, part)[n], getattr(ref, part)[n], atol=tol, rtol=tol,
+                                       msg=lambda m, part=part, n=n: f"{part}/{n}: {m}")
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.2, 0.9, 0.99])
+@pytest.mark.parametrize("nesterov", [True, False])
+@pytest.mark.parametrize("group", [1, 3, 4])
+def test_flat_outer_equals_apply_delta(momentum, nesterov, group):
+    """Many groups, every delta kind, weights and clipping scales: the lazy form tracks the plain rule
+    (weights, momentum, accumulator, count) after every delta, through its folds."""
+    cfg = OuterConfig(lr=0.8, momentum=momentum, nesterov=nesterov, group=group)
+    ref = OuterState.fresh(params(0))
+    lazy = FlatOuter.from_state(ref)
+    rng = np.random.default_rng(group)
+    scales = [lazy.scale]
+    for i in range(60):
+        d = random_delta(rng, i)
+        w = staleness_weight(i % 9, cfg) * (0.5 if i % 7 == 0 else 1.0)
+        apply_delta(ref, d, weight=w, cfg=cfg)
+        lazy.apply(flat(d), weight=w, cfg=cfg)
+        scales.append(lazy.scale)
+        assert_same_state(lazy, ref)
+    if 0 < momentum < 0.95:  # it went lazy (s < 1), and folded back at least once (s rose)
+        assert min(scales) < 1 and any(b > a for a, b in zip(scales, scales[1:]))
+
+
+def test_flat_outer_matches_torch_sgd():
+    """G deltas from one base == torch's Nesterov SGD on their average, through the lazy form."""
+    cfg = OuterConfig(lr=0.7, momentum=0.9, nesterov=True, group=3)
+    p0 = params(0)
+    lazy = FlatOuter.from_state(OuterState.fresh(p0))
+    ref = {n: torch.nn.Parameter(t.clone()) for n, t in p0.items()}
+    opt = torch.optim.SGD(list(ref.values()), lr=cfg.lr, momentum=cfg.momentum, nesterov=True)
+    for rnd in range(30):  # past several folds
+        grads = [params(100 * rnd + i + 1) for i in range(3)]
+        for g in grads:
+            lazy.apply(flat(dense_delta(g)), weight=1.0, cfg=cfg)
+        for n, p in ref.items():
+            p.grad = torch.stack([g[n] for g in grads]).mean(0)
+        opt.step()
+        got = lazy.params()
+        for n in SHAPES:
+            torch.testing.assert_close(got[n], ref[n].detach(), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("stop", [0, 5, 6, 13])
+def test_flat_outer_checkpoint_continues_bit_for_bit(stop):
+    import safetensors.torch
+    cfg = OuterConfig(lr=0.8, momentum=0.5, group=4)
+    lazy = FlatOuter.from_state(OuterState.fresh(params(0)))
+    rng = np.random.default_rng(0)
+    deltas = [flat(random_delta(rng, i)) for i in range(30)]
+    for d in deltas[:stop]:
+        lazy.apply(d, weight=0.9, cfg=cfg)
+    tensors, meta = lazy.checkpoint()
+    raw = safetensors.torch.save({k: v.contiguous() for k, v in tensors.items()}, metadata=meta)
+    header = json.loads(raw[8:8 + int.from_bytes(raw[:8], "little")])["__metadata__"]
+    back = FlatOuter.from_checkpoint(safetensors.torch.load(raw), header, in_group=lazy.in_group)
+    assert (back.scale, back.carry, back.in_group, len(back.pending)) == \
+        (lazy.scale, lazy.carry, lazy.in_group, len(lazy.pending))
+    for d in deltas[stop:]:
+        lazy.apply(d, weight=0.9, cfg=cfg)
+        back.apply(d, weight=0.9, cfg=cfg)
+    assert torch.equal(lazy.t, back.t) and torch.equal(lazy.m, back.m)
+    assert (lazy.scale, lazy.carry) == (back.scale, back.carry)
+
+
+def test_flat_outer_from_a_mid_group_plain_state():
+    """A plain OuterState in the middle of a group (an old checkpoint) continues as the plain rule does."""
+    cfg = OuterConfig(lr=0.8, momentum=0.9, group=4)
+    ref = OuterState.fresh(params(0))
+    rng = np.random.default_rng(1)
+    deltas = [random_delta(rng, i) for i in range(20)]
+    for d in deltas[:6]:
+        apply_delta(ref, d, weight=1.0, cfg=cfg)
+    assert ref.in_group == 2
+    lazy = FlatOuter.from_state(ref)
+    assert_same_state(lazy, ref, tol=0)
+    for d in deltas[6:]:
+        apply_delta(ref, d, weight=1.0, cfg=cfg)
+        lazy.apply(flat(d), weight=1.0, cfg=cfg)
+        assert_same_state(lazy, ref)
+
+
+def test_flat_outer_sparse_reads_and_views():
+    cfg = OuterConfig(lr=0.8, momentum=0.9, group=2)
+    lazy = FlatOuter.from_state(OuterState.fresh(params(0)))
+    rng = np.random.default_rng(2)
+    for i in range(9):
+        lazy.apply(flat(random_delta(rng, i)), weight=1.0, cfg=cfg)
+    assert lazy.carry > 0 and lazy.scale < 1  # in the scaled form
+    theta = torch.cat([lazy.params()[n].reshape(-1) for n in SHAPES])
+    idx = torch.tensor([0, 3, 24, 25, 30, 39])
+    torch.testing.assert_close(lazy.weights_at(idx), theta[idx], atol=1e-6, rtol=1e-6)
+    assert [tuple(t.shape) for t in lazy.params().values()] == list(SHAPES.values())
+    p0 = {n: t.clone() for n, t in lazy.params().items()}
+    lazy.fold()
+    assert (lazy.scale, lazy.carry) == (1.0, 0.0)
+    for n in SHAPES:
+        torch.testing.assert_close(lazy.params()[n], p0[n], atol=1e-6, rtol=1e-6)
