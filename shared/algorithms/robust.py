@@ -30,7 +30,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import torch
 
-from shared.codec import Delta
+from shared.codec import Delta, FlatDelta
 from shared.config import RobustConfig
 
 
@@ -66,6 +66,30 @@ def delta_stats(delta: Delta, reference: Mapping[str, torch.Tensor] | None) -> t
     return norm, dot / (norm * math.sqrt(ref_sq))
 
 
+def flat_delta_stats(delta: FlatDelta, reference: torch.Tensor | None) -> tuple[float, float | None]:
+    """delta_stats for a FlatDelta against a flat reference vector, in one gather for all tensors.
+
+    Any positive multiple of the reference gives the same cosine, so the coordinator passes its
+    momentum's unscaled form (FlatOuter.m, m = s M)."""
+    v = np.asarray(delta.values, dtype=np.float64)
+    sq = float(v @ v)
+    dot = ref_sq = 0.0
+    if reference is not None and v.size:
+        r = reference[torch.from_numpy(delta.indices)].numpy().astype(np.float64)
+        dot, ref_sq = float(v @ r), float(r @ r)
+    for off, dv in delta.dense:
+        d = np.asarray(dv, dtype=np.float64)
+        sq += float(d @ d)
+        if reference is not None:
+            r = reference[off:off + d.size].numpy().astype(np.float64)
+            dot += float(d @ r)
+            ref_sq += float(r @ r)
+    norm = math.sqrt(sq)
+    if reference is None or ref_sq == 0.0 or norm == 0.0:
+        return norm, None
+    return norm, dot / (norm * math.sqrt(ref_sq))
+
+
 def adam_bound(*, steps: int, lr: float, n_params: int) -> float:
     """The norm H AdamW steps of lr move n parameters by when every element moves lr per step."""
     return steps * lr * math.sqrt(n_params)
@@ -77,6 +101,12 @@ def screen(delta: Delta, *, history: Sequence[float], reference: Mapping[str, to
 
     bound: adam_bound() of the run's round (None: no absolute bound)."""
     norm, cosine = delta_stats(delta, reference)
+    return decide(norm, cosine, history=history, cfg=cfg, bound=bound)
+
+
+def decide(norm: float, cosine: float | None, *, history: Sequence[float], cfg: RobustConfig,
+           bound: float | None = None) -> Verdict:
+    """screen's decision from a delta's (norm, cosine): see delta_stats / flat_delta_stats."""
     if not math.isfinite(norm):
         return Verdict("reject", 0.0, norm, cosine, "its norm is not finite")
     if cfg.enabled and bound is not None and cfg.bound_factor > 0 and norm > cfg.bound_factor * bound:

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from shared.algorithms.robust import delta_stats, remember, screen
+from shared import codec
+from shared.algorithms.robust import decide, delta_stats, flat_delta_stats, remember, screen
 from shared.codec import Delta, Entry, IndexKind, ValueKind
 from shared.config import RobustConfig
 
@@ -106,3 +107,37 @@ def test_adam_bound_rejects_from_the_first_delta():
     assert big.action == "reject" and "AdamW" in big.reason
     off = CFG.model_copy(update={"bound_factor": 0})
     assert screen(dense([1.0, 0, 0, 0]), history=[], reference=None, cfg=off, bound=bound).action == "accept"
+
+
+SCHEMA = {"a": (3, 4), "w": (4,), "b": (50,)}
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_flat_delta_stats_equal_delta_stats(seed):
+    """The coordinator's flat path: same norm and cosine as delta_stats, and a positive multiple of the
+    reference (FlatOuter keeps the momentum as m = s M) changes nothing."""
+    rng = np.random.default_rng(seed)
+    ref = {n: torch.from_numpy(rng.standard_normal(s).astype(np.float32)) for n, s in SCHEMA.items()}
+    entries = []
+    for i, (n, s) in enumerate(SCHEMA.items()):
+        numel = math.prod(s)
+        v = rng.standard_normal(numel).astype(np.float32)
+        if (i + seed) % 3 == 0:
+            entries.append(Entry(n, numel, IndexKind.DENSE, ValueKind.FP32, v))
+        elif (i + seed) % 3 == 1:
+            idx = np.sort(rng.choice(numel, max(1, numel // 3), replace=False)).astype(np.int64)
+            entries.append(Entry(n, numel, IndexKind.PACKED, ValueKind.FP32, v[idx], idx))
+    d = Delta(0, tuple(entries))
+    fd = codec.decode_flat(codec.encode(d), schema=SCHEMA)
+    flat_ref = torch.cat([ref[n].reshape(-1) for n in SCHEMA])
+    want = delta_stats(d, ref)
+    for scale in (1.0, 0.37, 1e-3):
+        got = flat_delta_stats(fd, flat_ref / scale)
+        assert got[0] == pytest.approx(want[0], rel=1e-12)
+        assert (got[1] is None) == (want[1] is None)
+        if want[1] is not None:
+            assert got[1] == pytest.approx(want[1], rel=1e-6, abs=1e-9)
+    assert flat_delta_stats(fd, None) == (pytest.approx(want[0], rel=1e-12), None)
+    assert flat_delta_stats(fd, torch.zeros_like(flat_ref))[1] is None
+    v = decide(*want, history=[want[0]] * 8, cfg=CFG)
+    assert v == screen(d, history=[want[0]] * 8, reference=ref, cfg=CFG)
