@@ -195,9 +195,12 @@ class CoordinatorClient:
         resp = self._request("POST", f"{protocol.API_PREFIX}/runs/{run}/workers", json=req.model_dump())
         return protocol.RegisterResponse.model_validate(resp.json())
 
-    def lease(self, run: str) -> tuple[protocol.Lease | None, float]:
-        """(lease, 0) or (None, seconds to wait) when there is no work right now."""
-        resp = self._request("POST", f"{protocol.API_PREFIX}/runs/{run}/leases")
+    def lease(self, run: str, *, keep: int | None = None) -> tuple[protocol.Lease | None, float]:
+        """(lease, 0) or (None, seconds to wait) when there is no work right now. `keep`: the lease
+        whose delta is still uploading (asked only of a coordinator that keeps such a lease; others
+        give up every earlier lease of the worker that asks)."""
+        resp = self._request("POST", f"{protocol.API_PREFIX}/runs/{run}/leases",
+                             params={"keep": keep} if keep is not None else None)
         if resp.status_code == 204:
             try:
                 return None, float(resp.headers.get("Retry-After", "2"))

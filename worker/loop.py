@@ -6,10 +6,20 @@ Ctrl-C once: finish the current lease, deliver it, exit. Twice: exit at once.
 Churn: the trainer's state is saved under state_dir/runs/ (worker/state.py) every
 checkpoint_every_steps local steps and at each round's end, and a finished round's delta is saved
 before its upload and forgotten once the coordinator has answered it. A restarted worker first
-delivers that delta (the coordinator answers the same bytes the same way), else finishes the
+delivers those deltas (the coordinator answers the same bytes the same way), then finishes the
 round it was in, and only then asks for a new lease (asking gives the previous lease up). A
 coordinator that is down or restarting is waited for, with backoff and jitter, at start and
 between rounds; what was trained meanwhile waits on disk.
+
+Overlap (settings.overlap, on by default): a round's delta is uploaded on a background thread
+(one upload at a time: a round that ends while the previous upload still runs waits for it) while
+the worker saves its state and moves on. The thread only sends and forgets the file; the loop
+settles its answer between rounds, on the training thread: an acknowledgement counts the round, a
+refusal puts the delta's content back into the trainer's residual. A coordinator gives up every
+earlier lease of a worker that asks for a new one, the lease whose delta is still uploading
+included, so the next lease is asked for only once the upload was answered, unless the coordinator
+keeps such a lease (`lease_ahead`: the lease request names it, and the next round trains while the
+upload runs).
 
 Manners: before each round and between local steps the governor (worker/governor.py) asks the
 policy (worker/policy.py) whether to train now: `idletrain worker pause`, the daily transfer cap,
@@ -35,6 +45,7 @@ import torch
 
 from shared import codec, protocol
 from shared.algorithms import sync
+from shared.algorithms.compress import delta_to_tensors
 from shared.errors import DeltaFormatError
 from shared.model import ModelConfig, build_model, param_schema
 from shared.snapshot import decode_snapshot
@@ -123,6 +134,28 @@ class ShardCache:
         os.replace(tmp, self.root / f"{sha}.bin")
 
 
+class _Upload:
+    """One delta's upload on a background thread: `send()` returns the acknowledgement or the
+    refusal; anything it raises (a transient failure, a kill in a test) is kept for the settling."""
+
+    def __init__(self, lease: protocol.Lease, result: RoundResult, send) -> None:
+        self.lease, self.result = lease, result
+        self.outcome: protocol.DeltaAccepted | CoordinatorError | None = None
+        self.error: BaseException | None = None
+        self.done = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(send,), daemon=True,
+                                        name=f"idletrain-upload-{lease.lease_id}")
+        self._thread.start()
+
+    def _run(self, send) -> None:
+        try:
+            self.outcome = send()
+        except BaseException as exc:  # noqa: BLE001 -- handed to the training thread, which re-raises it
+            self.error = exc
+        finally:
+            self.done.set()
+
+
 LEASE_LOST = (404, 409, 410)  # the lease is gone, delivered otherwise, or too stale: take a new one
 # A delta saved before a restart is also dropped on answers that will never change for those bytes.
 REDELIVERY_REFUSED = (400, 403, 404, 409, 410, 413, 422)
@@ -154,6 +187,10 @@ class Worker:
         self._registered = False
         self.rounds = 0
         self.suspended = False  # the last round was set aside while paused (RoundSuspended)
+        self._inflight: _Upload | None = None  # the delta uploading in the background (settings.overlap)
+        # Ask for the next lease while a delta still uploads: only of a coordinator that keeps that
+        # lease (None: as /healthz says, `keeps_delivering_lease`; the coordinator does not say so today).
+        self.lease_ahead: bool | None = None
         # manners, progress, the control channel
         rules = settings.rules()
         self.transfer = DailyTransfer(settings.state_dir / "transfer.json", cap_bytes=rules.daily_transfer_bytes)
@@ -302,11 +339,11 @@ class Worker:
             log.warning("cannot save lease %d's delta to %s (%s); uploading it anyway",
                         lease.lease_id, self.store.dir, exc)
 
-    def _forget_unsent(self) -> None:
+    def _forget_unsent(self, lease_id: int) -> None:
         try:
-            self.store.clear_unsent()
+            self.store.clear_unsent(lease_id)
         except OSError as exc:
-            log.warning("cannot remove %s (%s)", self.store.unsent_path, exc)
+            log.warning("cannot remove lease %d's delta from %s (%s)", lease_id, self.store.dir, exc)
 
     def _restore(self) -> None:
         """At start: the trainer as it was between rounds (AdamW state, residual, sparta replica).
@@ -314,12 +351,12 @@ class Worker:
         saved = self.store.load()
         if saved is None:
             return
-        unsent = self.store.load_unsent()
-        if saved.round is not None and unsent is not None and unsent.lease.lease_id == saved.round.lease.lease_id:
+        unsent = {u.lease.lease_id for u in self.store.load_all_unsent()}
+        if saved.round is not None and saved.round.lease.lease_id in unsent:
             # The round ended and its delta was saved, then the worker died before the end-of-round
             # state: the residual on disk is from before the round and would send again what the
             # delta carries, and the round must not be trained twice. Keep the rest.
-            log.info("lease %d ended before the restart; its delta is delivered next", unsent.lease.lease_id)
+            log.info("lease %d ended before the restart; its delta is delivered next", saved.round.lease.lease_id)
             saved.round, saved.residual = None, {}
             fixed = True
         elif saved.round is not None:
@@ -337,33 +374,39 @@ class Worker:
         log.info("restored the local training state (%d local steps so far)", self.trainer.steps_done)
 
     def _recover(self) -> None:
-        """Before asking for a lease (which gives up the previous one): deliver the delta saved
-        before a restart or an outage, else finish the round that was interrupted."""
-        unsent = self.store.load_unsent()
-        if unsent is not None:
+        """Before asking for a lease (which gives up the previous one): settle the upload in flight,
+        deliver the deltas saved before a restart or an outage, then finish the round that was
+        interrupted."""
+        saved = self.store.load()
+        rnd = saved.round if saved is not None else None
+        if rnd is not None:
+            # restore first: a refused delta's content goes back into the residual the round resumes with
+            try:
+                self.trainer.restore_state(saved)
+            except (ValueError, TypeError, KeyError, RuntimeError) as exc:
+                log.warning("lease %d: the saved round does not fit (%s); dropping it", rnd.lease.lease_id, exc)
+                self.store.clear()
+                rnd = None
+        self._settle_upload()
+        for unsent in self.store.load_all_unsent():
             lease = unsent.lease
             log.info("lease %d: delivering its delta saved before the interruption (%.1f KB)",
                      lease.lease_id, len(unsent.body) / 1024)
             ack = self._deliver(lease, unsent.body, redelivery=True)
             if ack is not None:
-                self.rounds += 1
+                self._acked()
                 log.info("lease %d: delivered -> v%d%s", lease.lease_id, ack.will_merge_into,
                          " (it had arrived before)" if ack.duplicate else "")
-            return
-        saved = self.store.load()
-        if saved is None or saved.round is None:
-            return
-        rnd = saved.round
-        try:
-            self.trainer.restore_state(saved)
-        except (ValueError, TypeError, KeyError, RuntimeError) as exc:
-            log.warning("lease %d: the saved round does not fit (%s); dropping it", rnd.lease.lease_id, exc)
-            self.store.clear()
+        if rnd is None:
             return
         log.info("resuming lease %d at step %d/%d", rnd.lease.lease_id, rnd.step, rnd.lease.inner.steps)
         self._round(rnd.lease, resume=rnd)
 
     # -- rounds ---------------------------------------------------------------------------------
+
+    def _acked(self) -> None:
+        self.rounds += 1
+        self.progress.utilisation.acked()
 
     def _deliver(self, lease: protocol.Lease, body: bytes, *,
                  redelivery: bool = False) -> protocol.DeltaAccepted | None:
@@ -375,18 +418,77 @@ class Worker:
             if exc.status not in (REDELIVERY_REFUSED if redelivery else LEASE_LOST):
                 raise
             log.warning("lease %d: delta refused (%s); taking a new lease", lease.lease_id, _why(exc))
-            self._forget_unsent()  # first: a crash now loses this delta's content, never counts it twice
-            if redelivery:
-                try:
-                    self.trainer.undeliverable_body(body)
-                except ValueError as err:
-                    log.warning("lease %d: the refused delta does not fit the model (%s)", lease.lease_id, err)
-            else:
-                self.trainer.undeliverable()
-            self._save_trainer()
+            self._forget_unsent(lease.lease_id)  # first: a crash now loses this delta's content, never counts it twice
+            self._take_back(lease, body)
             return None
-        self._forget_unsent()
+        self._forget_unsent(lease.lease_id)
         return ack
+
+    def _take_back(self, lease: protocol.Lease, body: bytes) -> None:
+        """A refused delta's content goes back to the residual (on the training thread, between
+        rounds: another round may have trained since, so by its bytes), and to disk: into the saved
+        round's residual when a round waits there to resume (set aside, or interrupted), else with
+        the trainer's state."""
+        try:
+            self.trainer.undeliverable_body(body)
+            saved = self.store.load()
+            if saved is None or saved.round is None:
+                self._save_trainer()
+            elif saved.residual:
+                schema = {n: tuple(t.shape) for n, t in saved.params.items()}
+                for name, sent in delta_to_tensors(codec.decode(body, schema=schema), schema).items():
+                    saved.residual[name] += sent
+                self._save(saved)
+        except (ValueError, KeyError) as err:
+            log.warning("lease %d: the refused delta does not fit the model (%s)", lease.lease_id, err)
+
+    # -- the upload in the background -----------------------------------------------------------
+
+    def _start_upload(self, lease: protocol.Lease, result: RoundResult) -> None:
+        """Upload a saved delta on a background thread. The thread touches only the client and the
+        delta's file; _settle_upload() handles the answer on the training thread."""
+        def send() -> protocol.DeltaAccepted | CoordinatorError:
+            try:
+                ack = self.client.upload_delta(lease.lease_id, result.body)
+            except CoordinatorError as exc:
+                if exc.status not in LEASE_LOST:
+                    raise
+                self._forget_unsent(lease.lease_id)  # first: a crash now loses its content, never counts it twice
+                return exc
+            self._forget_unsent(lease.lease_id)
+            self.progress.utilisation.acked()  # the time of the acknowledgement, not of its settling
+            return ack
+
+        self._inflight = _Upload(lease, result, send)
+
+    def _settle_upload(self) -> None:
+        """Wait for the upload in flight (the wait is not compute) and act on its answer: count the
+        round, or take a refused delta's content back into the residual. Re-raises its failure (a
+        transient one leaves the delta on disk for _recover)."""
+        up = self._inflight
+        if up is None:
+            return
+        if not up.done.is_set():
+            phase, reason = self.progress.phase, self.progress.wait_reason
+            self.progress.set_phase("uploading")
+            t0 = self.progress.utilisation.clock()
+            up.done.wait()
+            self.progress.utilisation.add_upload_wait(self.progress.utilisation.clock() - t0)
+            self.progress.set_phase(phase, reason)
+        self._inflight = None
+        if up.error is not None:
+            raise up.error
+        outcome = up.outcome
+        if isinstance(outcome, CoordinatorError):
+            log.warning("lease %d: delta refused (%s); its content goes back to the residual", up.lease.lease_id,
+                        _why(outcome))
+            self._take_back(up.lease, up.result.body)
+            return
+        self.rounds += 1
+        self._log_round(up.lease, up.result, outcome)
+
+    def _may_lease_ahead(self) -> bool:
+        return bool(self.lease_ahead)
 
     def _check_model(self, lease: protocol.Lease) -> None:
         """The coordinator is untrusted too: refuse a model this machine was not set up to hold."""
@@ -399,7 +501,8 @@ class Worker:
                                f"{self.settings.max_params:,} (--max-params)")
 
     def _round(self, lease: protocol.Lease, resume: RoundState | None = None) -> None:
-        """Train one lease (or the rest of it), save, deliver."""
+        """Train one lease (or the rest of it), save, deliver (settings.overlap: start delivering it in the
+        background, once the previous delivery is answered)."""
         self._check_model(lease)
         self.progress.set_phase("downloading")
         try:
@@ -432,16 +535,22 @@ class Worker:
             self.progress.end_round()
             self.suspended = True
             return
+        self.progress.utilisation.add_compute(result.seconds)
         self.progress.set_phase("uploading")
         self._save_unsent(lease, result.body)  # before the trainer's state: see _restore
         self._save_trainer()
+        if self.settings.overlap:
+            self.progress.end_round()
+            self._settle_upload()  # at most one upload in flight: wait for the previous one
+            self._start_upload(lease, result)
+            return
         try:
             ack = self._deliver(lease, result.body)
         finally:
             self.progress.end_round()
         if ack is None:
             return
-        self.rounds += 1
+        self._acked()
         self._log_round(lease, result, ack)
 
     @staticmethod
@@ -489,13 +598,25 @@ class Worker:
             raise RuntimeError(f"coordinator speaks API v{health.api_version}, this worker v{protocol.API_VERSION}: "
                                "upgrade idletrain")
         self._restore()
+        if self.lease_ahead is None:
+            self.lease_ahead = bool(getattr(health, "keeps_delivering_lease", False))
         recover, failures = True, 0
         while not self.stop.event.is_set():
-            if not self.governor.wait_between_rounds(self.stop.event):
-                break
             moved_before = self._moved_bytes
-            self.progress.set_phase("leasing")
             try:
+                if s.max_rounds is not None and self.rounds + (self._inflight is not None) >= s.max_rounds:
+                    if self._inflight is None:
+                        break
+                    self._settle_upload()  # the last round's answer (a refusal means one more round)
+                    continue
+                if self._inflight is not None and (self._inflight.done.is_set() or not self._may_lease_ahead()):
+                    # answered already, or asking for a lease would give up the one still uploading
+                    self._settle_upload()
+                    continue
+                if not self.governor.wait_between_rounds(self.stop.event):
+                    break
+                self.progress.set_phase("leasing")
+                self.progress.utilisation.start()
                 if not self._registered:
                     self.ensure_token()
                     self._registered = True
@@ -503,7 +624,10 @@ class Worker:
                     self._recover()
                     recover = False
                 else:
-                    lease, wait_s = self.client.lease(s.run)
+                    if self._inflight is not None:  # the coordinator keeps the lease still uploading
+                        lease, wait_s = self.client.lease(s.run, keep=self._inflight.lease.lease_id)
+                    else:
+                        lease, wait_s = self.client.lease(s.run)
                     if lease is None:
                         self.progress.set_phase("waiting", f"no work from the coordinator; asking again in "
                                                            f"{wait_s:.0f} s")
@@ -525,9 +649,28 @@ class Worker:
             if self.suspended:  # paused mid-round and let go: resume that round before any new lease
                 self.suspended, recover = False, True
                 continue
-            if s.max_rounds is not None and self.rounds >= s.max_rounds:
-                break
+        self._finish_upload()
+        self._log_utilisation()
         return self.rounds
+
+    def _finish_upload(self) -> None:
+        """Stopping: settle the upload in flight; a transient failure leaves its delta on disk."""
+        up = self._inflight
+        if up is None:
+            return
+        try:
+            self._settle_upload()
+        except (httpx.TransportError, CoordinatorError) as exc:
+            if not is_transient(exc):
+                raise
+            log.warning("lease %d: delta not delivered (%s); it stays on disk and goes first at the next start",
+                        up.lease.lease_id, _why(exc))
+
+    def _log_utilisation(self) -> None:
+        u = self.progress.utilisation
+        if u.fraction() is not None:
+            log.info("computing %.1f%% of %.1f s (first lease to last acknowledgement), %.1f s waiting for uploads",
+                     100 * u.fraction(), u.wall_s(), u.upload_wait_s)
 
 
 def run_worker(settings: WorkerSettings) -> int:

@@ -2,6 +2,7 @@
 
     Progress      lease, step/steps, local loss, tokens/s, next sync; updated by the loop and the
                   trainer's step hook, read by the governor's thread (plain attributes: one writer)
+    Utilisation   compute time against wall time (Progress.utilisation; `idletrain bench utilisation`)
     describe()    one line from a WorkerStatus (plain logs and `idletrain worker status`)
     RichDisplay   on a terminal: a live panel (rich) that the log lines scroll above
     PlainDisplay  elsewhere (systemd, pipes, tests): a log line at each change of state and one every
@@ -26,9 +27,55 @@ log = logging.getLogger(__name__)
 RATE_WINDOW_S = 30.0  # tokens/s is measured over the steps of the last 30 s (pauses excluded)
 
 
+class Utilisation:
+    """Compute time against wall time, from the first lease asked for to the last delta acknowledged.
+
+    compute_s counts the time spent in the trainer's rounds (the local steps, the sparta exchanges'
+    bookkeeping and the delta's compression; time paused at the gate left out); everything else (the
+    lease, the downloads, the uploads the training did not hide, saving state) is not compute.
+    upload_wait_s is the part of that spent waiting for an earlier upload to finish. Written by the
+    training thread, the acknowledgements by whichever thread delivered them; read by anyone."""
+
+    def __init__(self, *, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.clock = clock
+        self.started_at: float | None = None  # the first lease request
+        self.last_ack_at: float | None = None
+        self.compute_s = 0.0
+        self.upload_wait_s = 0.0
+        self.rounds = 0  # acknowledged
+
+    def start(self) -> None:
+        if self.started_at is None:
+            self.started_at = self.clock()
+
+    def add_compute(self, seconds: float) -> None:
+        self.compute_s += max(0.0, seconds)
+
+    def add_upload_wait(self, seconds: float) -> None:
+        self.upload_wait_s += max(0.0, seconds)
+
+    def acked(self) -> None:
+        self.last_ack_at = self.clock()
+        self.rounds += 1
+
+    def wall_s(self) -> float | None:
+        if self.started_at is None or self.last_ack_at is None:
+            return None
+        return max(0.0, self.last_ack_at - self.started_at)
+
+    def fraction(self) -> float | None:
+        wall = self.wall_s()
+        return self.compute_s / wall if wall else None
+
+    def as_dict(self) -> dict:
+        return {"compute_s": self.compute_s, "wall_s": self.wall_s(), "upload_wait_s": self.upload_wait_s,
+                "rounds": self.rounds, "utilisation": self.fraction()}
+
+
 class Progress:
     def __init__(self, *, clock: Callable[[], float] = time.monotonic) -> None:
         self.clock = clock
+        self.utilisation = Utilisation()
         self.phase = "starting"  # starting | leasing | downloading | training | uploading | waiting | stopped
         self.wait_reason = ""  # while waiting: for work, for the coordinator
         self.lease: protocol.Lease | None = None

@@ -57,6 +57,8 @@ class WorkerSettings(BaseSettings):
     checkpoint_every_steps: int = Field(
         25, ge=0, description="save the round in flight every N local steps (0: only at round end), so a "
                               "kill or a laptop's sleep resumes it; kept under state_dir/runs/")
+    overlap: bool = Field(True, description="upload a round's delta in the background, one at a time, while the "
+                                            "worker goes on (false: upload, then ask for the next lease, as before)")
     # -- manners (worker/policy.py) --
     when: Literal["always", "idle"] = Field("always", description="train always, or only while the machine is idle")
     idle_minutes: float = Field(5.0, ge=0, le=24 * 60, description="with when=idle: minutes without keyboard or "

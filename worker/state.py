@@ -6,7 +6,9 @@ One folder per (coordinator, run): state_dir/runs/<sha256("coordinator|run")[:16
                   while a round is in flight, that round: its lease, the local step reached, the
                   batch-sampling generator, the snapshot it started from, the losses so far
     unsent.delta  a finished round's encoded delta, written before the upload and deleted once
-                  the coordinator acknowledged it (202) or refused it for good (404/409/410...)
+                  the coordinator acknowledged it (202) or refused it for good (404/409/410...);
+                  while one is still uploading in the background the next round's goes to
+                  unsent-<lease id>.delta (a queue, delivered in lease order)
 
 Each file is "<sha256 hex of the rest>\\n<rest>" (the coordinator's checkpoint layout), written
 atomically: temp file, fsync, rename, fsync of the folder. A file that fails its hash or does
@@ -24,6 +26,7 @@ import hashlib
 import json
 import logging
 import os
+import threading
 from pathlib import Path
 
 import safetensors.torch
@@ -272,6 +275,7 @@ class StateStore:
         self.state_path = self.dir / self.STATE
         self.unsent_path = self.dir / self.UNSENT
         self._lock_fd: int | None = None
+        self._unsent_lock = threading.RLock()  # the loop saves deltas while the upload thread forgets them
 
     def lock(self) -> bool:
         """Take this folder for this process (an advisory lock the OS drops when the process dies);
@@ -326,13 +330,49 @@ class StateStore:
     def clear(self) -> None:
         self.state_path.unlink(missing_ok=True)
 
-    # a finished round's delta, until the coordinator has answered it
+    # finished rounds' deltas, until the coordinator has answered them: unsent.delta first (the one
+    # file of older versions), then unsent-<lease id>.delta while that one is still in the queue
+    def _queued_path(self, lease_id: int) -> Path:
+        return self.dir / f"unsent-{int(lease_id)}.delta"
+
+    def load_all_unsent(self) -> list[UnsentDelta]:
+        """Every saved delta not answered yet, in lease order (the order they were trained in)."""
+        with self._unsent_lock:
+            return self._load_all_unsent()
+
+    def _load_all_unsent(self) -> list[UnsentDelta]:
+        found = []
+        for path in [self.unsent_path, *sorted(self.dir.glob("unsent-*.delta"))]:
+            unsent = self._read(path, decode_unsent)
+            if unsent is not None and all(u.lease.lease_id != unsent.lease.lease_id for u in found):
+                found.append(unsent)
+        return sorted(found, key=lambda u: u.lease.lease_id)
+
     def load_unsent(self) -> UnsentDelta | None:
-        return self._read(self.unsent_path, decode_unsent)
+        """The oldest saved delta not answered yet."""
+        queue = self.load_all_unsent()
+        return queue[0] if queue else None
 
     def save_unsent(self, lease: protocol.Lease, body: bytes) -> None:
-        atomic_write(self.unsent_path, encode_unsent(UnsentDelta(lease=lease, body=body)))
+        with self._unsent_lock:
+            path = self.unsent_path
+            if path.exists():
+                held = self._read(path, decode_unsent)
+                if held is not None and held.lease.lease_id != lease.lease_id:
+                    path = self._queued_path(lease.lease_id)
+            atomic_write(path, encode_unsent(UnsentDelta(lease=lease, body=body)))
 
-    def clear_unsent(self) -> None:
-        self.unsent_path.unlink(missing_ok=True)
+    def clear_unsent(self, lease_id: int | None = None) -> None:
+        """Forget one lease's saved delta (None: all of them)."""
+        with self._unsent_lock:
+            if lease_id is None:
+                for path in self.dir.glob("unsent-*.delta"):
+                    path.unlink(missing_ok=True)
+                self.unsent_path.unlink(missing_ok=True)
+                return
+            self._queued_path(lease_id).unlink(missing_ok=True)
+            if self.unsent_path.exists():
+                held = self._read(self.unsent_path, decode_unsent)
+                if held is not None and held.lease.lease_id == lease_id:
+                    self.unsent_path.unlink(missing_ok=True)
 

@@ -359,12 +359,14 @@ class LocalTrainer:
         self._last_sent = {}
 
     def undeliverable_body(self, body: bytes) -> None:
-        """As undeliverable(), for a delta known only by its bytes (one saved before a restart)."""
+        """As undeliverable(), for a delta known only by its bytes (one saved before a restart, or
+        refused while a later round trained: that round's own delta, _last_sent, stays as it is).
+        Call it between rounds, on the training thread."""
         if self.model is None or not self.residual:
             return
         schema = param_schema(self.model)
-        self._last_sent = delta_to_tensors(codec.decode(body, schema=schema), schema)
-        self.undeliverable()
+        for name, sent in delta_to_tensors(codec.decode(body, schema=schema), schema).items():
+            self.residual[name] += sent
 
     def undeliverable(self) -> None:
         """The last round's delta never arrived: keep what it carried for the next round

@@ -1,0 +1,313 @@
+"""worker.loop with settings.overlap: the upload of a round's delta runs on a background thread
+(one at a time) while the worker moves on. Proved with a fake coordinator client whose uploads
+block until the test says so: no timing thresholds, only the order of events."""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from datetime import UTC, datetime
+
+import pytest
+import torch
+
+from shared import codec, protocol
+from shared.algorithms.compress import delta_to_tensors
+from shared.config import CompressionConfig, InnerConfig
+from shared.model import ModelConfig, build_model, get_params, param_schema
+from shared.snapshot import encode_snapshot
+from worker.client import CoordinatorError
+from worker.loop import Worker
+from worker.settings import WorkerSettings
+from worker.state import StateStore
+
+URL = "http://fake.test"
+MODEL = ModelConfig(n_layer=1, d_model=32, n_head=2, context=32)
+SCHEMA = param_schema(build_model(MODEL))
+STEPS = 4
+WAIT_S = 60.0  # a safety net against a hang: every assertion is about order, never about time
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+class Killed(BaseException):
+    """Stands for SIGKILL: nothing in the worker catches it."""
+
+
+class FakeCoordinator:
+    """What a coordinator remembers (leases, stored deltas), shared by the clients of a worker and of
+    its restart. `keeps`: a lease request naming `keep` leaves that lease live (a coordinator that
+    keeps a lease whose delta is uploading); otherwise every earlier lease of the worker is given up,
+    as the coordinator does today."""
+
+    def __init__(self, *, keeps: bool) -> None:
+        self.keeps = keeps
+        self.lock = threading.Lock()
+        self.events: list[tuple] = []
+        self.leases: dict[int, str] = {}  # id -> active | abandoned | delivered
+        self.stored: dict[int, str] = {}  # lease id -> sha256 of the delta body stored for it
+        self.arrivals: list[int] = []  # every upload that reached the coordinator, duplicates included
+        self.refuse: set[int] = set()  # answer these leases' uploads 410
+        self.hold: dict[int, threading.Event] = {}  # an upload of this lease waits for the event ...
+        self.after_hold: dict[int, str] = {}  # ... then: "answer" (default) or "die" (the worker is killed)
+        self.raw = bytes(range(256)) * 64
+        self.sha = hashlib.sha256(self.raw).hexdigest()
+        self.snapshot = encode_snapshot(get_params(build_model(MODEL)))
+        self.compression = CompressionConfig(index="topk", fraction=0.1, values="int8")
+
+    def note(self, *event) -> None:
+        with self.lock:
+            self.events.append(event)
+
+    def index(self, *event) -> int:
+        return self.events.index(event)
+
+
+class FakeClient:
+    def __init__(self, coord: FakeCoordinator) -> None:
+        self.c = coord
+        self.token: str | None = None
+        self.sent_bytes = self.received_bytes = 0
+
+    def set_transfer(self, **kw) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def health(self, *, max_retries=None) -> protocol.Health:
+        return protocol.Health()
+
+    def lease(self, run: str, *, keep: int | None = None) -> tuple[protocol.Lease, float]:
+        c = self.c
+        with c.lock:
+            for lid, state in c.leases.items():
+                if state == "active" and not (c.keeps and lid == keep):
+                    c.leases[lid] = "abandoned"
+            lid = len(c.leases) + 1
+            c.leases[lid] = "active"
+        c.note("lease", lid, keep)
+        return protocol.Lease(
+            lease_id=lid, run=run, shard_id=0, shard_sha256=c.sha, base_version=0, seed=lid, lr=3e-3,
+            inner=InnerConfig(steps=STEPS, batch_size=2, warmup_steps=0), compression=c.compression,
+            model=MODEL.to_dict(), deadline=datetime(2030, 1, 1, tzinfo=UTC)), 0.0
+
+    def snapshot(self, run: str, version) -> tuple[bytes, int]:
+        return self.c.snapshot, 0
+
+    def shard(self, run: str, index: int, *, expected_sha256: str) -> bytes:
+        return self.c.raw
+
+    def renew(self, lease_id: int):
+        raise AssertionError("no lease here is near its deadline")
+
+    def upload_delta(self, lease_id: int, body: bytes) -> protocol.DeltaAccepted:
+        c = self.c
+        c.note("upload", lease_id, threading.current_thread() is threading.main_thread())
+        sha = hashlib.sha256(body).hexdigest()
+        with c.lock:
+            c.arrivals.append(lease_id)
+            prior = c.stored.get(lease_id)
+            refused = lease_id in c.refuse or (prior is None and c.leases.get(lease_id) != "active")
+            if prior is None and not refused:
+                c.stored[lease_id] = sha
+                c.leases[lease_id] = "delivered"
+        gate = c.hold.get(lease_id)
+        if gate is not None:
+            assert gate.wait(WAIT_S), "the test never released this upload"
+            if c.after_hold.get(lease_id) == "die":
+                raise Killed(f"upload of lease {lease_id}: the worker died before the answer")
+        c.note("answered", lease_id)
+        if refused:
+            raise CoordinatorError(410, f"lease {lease_id} was given up")
+        return protocol.DeltaAccepted(lease_id=lease_id, delta_id=lease_id, will_merge_into=lease_id,
+                                      duplicate=prior is not None)
+
+
+def make_worker(coord: FakeCoordinator, tmp_path, *, max_rounds: int, overlap: bool = True,
+                lease_ahead: bool | None = None, every: int = 0) -> Worker:
+    settings = WorkerSettings(coordinator=URL, run="t", token="x", state_dir=tmp_path / "worker", device="cpu",
+                              max_rounds=max_rounds, overlap=overlap, checkpoint_every_steps=every)
+    w = Worker(settings, client=FakeClient(coord))
+    w.lease_ahead = lease_ahead
+    real_on_step = w.progress.on_step
+
+    def on_step(step: int, loss: float) -> None:  # what the trainer reports after each local step
+        real_on_step(step, loss)
+        coord.note("step", w.progress.lease.lease_id, step)
+
+    w.progress.on_step = on_step
+    return w
+
+
+def test_the_upload_runs_while_the_next_round_trains(tmp_path):
+    coord = FakeCoordinator(keeps=True)
+    second_round_trains = threading.Event()
+    coord.hold[1] = second_round_trains
+    w = make_worker(coord, tmp_path, max_rounds=2, lease_ahead=True)
+    real_on_step = w.progress.on_step
+
+    def on_step(step: int, loss: float) -> None:
+        real_on_step(step, loss)
+        if w.progress.lease.lease_id == 2 and step == STEPS:
+            second_round_trains.set()  # lease 1's upload may answer only now: round 2 trained meanwhile
+
+    w.progress.on_step = on_step
+    assert w.run() == 2
+    ev = coord.events
+    # lease 1's upload left on the upload thread; lease 2 was asked for while it was in flight (keeping
+    # lease 1) and trained all its steps before that upload was answered
+    assert ("upload", 1, False) in ev and ("lease", 2, 1) in ev
+    assert coord.index("upload", 1, False) < coord.index("lease", 2, 1) < coord.index("step", 2, 1)
+    assert coord.index("step", 2, STEPS) < coord.index("answered", 1)
+    assert coord.stored.keys() == {1, 2} and coord.arrivals == [1, 2]
+    assert StateStore(tmp_path / "worker", URL, "t").load_all_unsent() == []
+    u = w.progress.utilisation
+    assert u.rounds == 2 and 0 < u.compute_s <= u.wall_s()
+
+
+def test_without_a_coordinator_that_keeps_the_lease_the_next_lease_waits_for_the_answer(tmp_path):
+    """The coordinator of today gives up every earlier lease of a worker that asks for one: the
+    upload still runs in the background, but the next lease is asked for once it is answered."""
+    coord = FakeCoordinator(keeps=False)
+    w = make_worker(coord, tmp_path, max_rounds=3)
+    assert w.run() == 3
+    for lid in (1, 2):
+        assert ("upload", lid, False) in coord.events  # on the upload thread
+        assert coord.index("answered", lid) < coord.index("lease", lid + 1, None)
+    assert not any(e[0] == "lease" and e[2] is not None for e in coord.events)
+    assert coord.stored.keys() == {1, 2, 3} and coord.arrivals == [1, 2, 3]
+
+
+def test_no_overlap_uploads_on_the_training_thread_before_the_next_lease(tmp_path):
+    coord = FakeCoordinator(keeps=True)
+    w = make_worker(coord, tmp_path, max_rounds=2, overlap=False, lease_ahead=True)
+    real_start = w._start_upload
+    w._start_upload = lambda *a: (_ for _ in ()).throw(AssertionError("no background upload")) or real_start(*a)
+    assert w.run() == 2
+    assert [e for e in coord.events if e[0] != "step"] == [
+        ("lease", 1, None), ("upload", 1, True), ("answered", 1),
+        ("lease", 2, None), ("upload", 2, True), ("answered", 2)]
+
+
+def test_a_kill_with_a_delta_in_flight_delivers_it_exactly_once(tmp_path):
+    coord = FakeCoordinator(keeps=True)
+    released = threading.Event()
+    coord.hold[1], coord.after_hold[1] = released, "die"  # lease 1 arrives, its answer never does
+    w1 = make_worker(coord, tmp_path, max_rounds=5, lease_ahead=True, every=1)
+    real_on_step = w1.progress.on_step
+
+    def on_step(step: int, loss: float) -> None:
+        real_on_step(step, loss)
+        if w1.progress.lease.lease_id == 2 and step == 3:
+            released.set()  # the upload thread dies with the process ...
+            raise Killed("lease 2, step 3")  # ... killed in the middle of round 2
+
+    w1.progress.on_step = on_step
+    with pytest.raises(Killed):
+        w1.run()
+    assert w1._inflight is not None
+    w1._inflight.done.wait(WAIT_S)
+    store = StateStore(tmp_path / "worker", URL, "t")
+    assert [u.lease.lease_id for u in store.load_all_unsent()] == [1]
+    assert store.load().round.lease.lease_id == 2 and store.load().round.step == 2
+    assert coord.stored.keys() == {1}
+
+    coord.hold.clear()  # the coordinator answers the restarted worker at once
+    w2 = make_worker(coord, tmp_path, max_rounds=2, lease_ahead=True, every=1)
+    assert w2.run() == 2  # lease 1 (arrived before: the same answer), then lease 2 resumed at step 2
+    assert coord.arrivals == [1, 1, 2]  # lease 1 reached the coordinator twice ...
+    assert list(coord.stored) == [1, 2]  # ... and was stored once; no lease taken meanwhile
+    assert [e for e in coord.events if e[0] == "lease"] == [("lease", 1, None), ("lease", 2, 1)]
+    assert [e for e in coord.events if e[0] == "step" and e[1] == 2][-2:] == [("step", 2, 3), ("step", 2, 4)]
+    assert store.load_all_unsent() == [] and store.load().round is None
+
+
+def test_a_refused_delta_goes_back_to_the_residual_while_the_next_round_has_trained(tmp_path):
+    coord = FakeCoordinator(keeps=True)
+    coord.refuse.add(1)
+    second_round_done = threading.Event()
+    coord.hold[1] = second_round_done
+    w = make_worker(coord, tmp_path, max_rounds=2, lease_ahead=True)
+    real_on_step = w.progress.on_step
+
+    def on_step(step: int, loss: float) -> None:
+        real_on_step(step, loss)
+        if w.progress.lease.lease_id == 2 and step == STEPS:
+            second_round_done.set()
+
+    w.progress.on_step = on_step
+    seen: dict = {}
+    real_take_back = w._take_back
+
+    def take_back(lease, body):
+        seen["thread"] = threading.current_thread() is threading.main_thread()
+        seen["before"] = {n: t.clone() for n, t in w.trainer.residual.items()}
+        seen["body"] = body
+        real_take_back(lease, body)
+        seen["after"] = {n: t.clone() for n, t in w.trainer.residual.items()}
+        seen["disk"] = StateStore(tmp_path / "worker", URL, "t").load().residual
+
+    w._take_back = take_back
+    assert w.run() == 2  # lease 1 refused: one more round (lease 3) makes two delivered
+    assert seen["thread"]  # settled on the training thread, between rounds
+    # it was refused after round 2 had trained: round 2's residual takes lease 1's content back
+    lease_3 = next(i for i, e in enumerate(coord.events) if e[:2] == ("lease", 3))
+    assert coord.index("step", 2, STEPS) < coord.index("answered", 1) < lease_3
+    sent = delta_to_tensors(codec.decode(seen["body"], schema=SCHEMA), SCHEMA)
+    assert any(t.abs().sum() > 0 for t in sent.values())
+    for name, t in sent.items():
+        assert torch.equal(seen["after"][name], seen["before"][name] + t)
+        assert torch.equal(seen["disk"][name], seen["after"][name])
+    assert coord.stored.keys() == {2, 3}
+    assert StateStore(tmp_path / "worker", URL, "t").load_all_unsent() == []
+
+
+def test_a_refusal_is_added_to_the_residual_in_memory_and_on_disk(tmp_path):
+    coord = FakeCoordinator(keeps=True)
+    coord.refuse.add(1)
+    w = make_worker(coord, tmp_path, max_rounds=1, lease_ahead=True)
+    settled: dict = {}
+    real_settle = w._settle_upload
+
+    def settle():
+        up = w._inflight if not settled else None  # the first one: lease 1's
+        if up is not None:
+            up.done.wait(WAIT_S)
+            settled["before"] = {n: t.clone() for n, t in w.trainer.residual.items()}
+            settled["body"] = up.result.body
+        real_settle()
+        if up is not None:
+            settled["after"] = {n: t.clone() for n, t in w.trainer.residual.items()}
+            settled["disk"] = StateStore(tmp_path / "worker", URL, "t").load().residual
+            coord.refuse.clear()
+
+    w._settle_upload = settle
+    assert w.run() == 1  # lease 1 refused, lease 2 delivered
+    sent = delta_to_tensors(codec.decode(settled["body"], schema=SCHEMA), SCHEMA)
+    for name, t in sent.items():
+        assert torch.equal(settled["after"][name], settled["before"][name] + t)
+        assert torch.equal(settled["disk"][name], settled["after"][name])
+    assert coord.stored.keys() == {2}
+
+
+def test_the_unsent_queue_keeps_deltas_in_lease_order(tmp_path):
+    from tests.worker.test_state import make_lease
+
+    store = StateStore(tmp_path, URL, "t")
+    store.save_unsent(make_lease(lease_id=7), b"seven")
+    store.save_unsent(make_lease(lease_id=8), b"eight")
+    assert store.unsent_path.exists()  # the first one where older versions kept their one delta
+    assert [(u.lease.lease_id, u.body) for u in store.load_all_unsent()] == [(7, b"seven"), (8, b"eight")]
+    store.clear_unsent(7)
+    assert [(u.lease.lease_id, u.body) for u in store.load_all_unsent()] == [(8, b"eight")]
+    store.save_unsent(make_lease(lease_id=9), b"nine")
+    assert [u.lease.lease_id for u in store.load_all_unsent()] == [8, 9]
+    store.clear_unsent()
+    assert store.load_all_unsent() == [] and store.load_unsent() is None
