@@ -674,11 +674,26 @@ class Worker:
 
 
 def run_worker(settings: WorkerSettings) -> int:
-    stop = StopFlag()
-    stop.install()
-    worker = Worker(settings, stop=stop)
+    """Run the worker until stopped. Under torchrun (WORLD_SIZE > 1) the processes are one worker:
+    rank 0 runs this loop with a trainer that trains each round across every rank, the other ranks
+    only follow it and never talk to the coordinator (worker/distributed.py)."""
+    from worker import distributed
+
+    session = distributed.from_env(settings.device)  # None: one process, as without torchrun
+    if session is not None and not session.leader:
+        session.follow(threads=settings.threads)
+        return 0  # a follower delivers nothing itself: rank 0 counts the rounds
     try:
-        return worker.run()
+        stop = StopFlag()
+        stop.install()
+        worker = Worker(settings, stop=stop)
+        if session is not None:
+            worker.trainer = distributed.LeadTrainer(session)
+        try:
+            return worker.run()
+        finally:
+            worker.trainer.close()
+            worker.client.close()
     finally:
-        worker.trainer.close()
-        worker.client.close()
+        if session is not None:
+            session.close()  # tells the other ranks to exit

@@ -295,8 +295,8 @@ class LocalTrainer:
                     raise RoundSuspended(lease.lease_id, step)
 
         try:
-            run_steps(model, self.opt, tokens, lease.inner, lr=lease.lr, steps=total - start, generator=gen,
-                      step_offset=self.steps_done + start, on_step=step_hook)
+            self._run_steps(lease, tokens, steps=total - start, generator=gen,
+                            step_offset=self.steps_done + start, on_step=step_hook)
         except BaseException:
             if rx is not None:
                 rx.finish(0.0)
@@ -322,6 +322,13 @@ class LocalTrainer:
             exchanges=rx.applied if rx else 0, exchanges_failed=rx.failed if rx else 0,
             exchanges_skipped=rx.skipped if rx else 0, exchange_bytes_up=rx.bytes_up if rx else 0,
             exchange_bytes_down=rx.bytes_down if rx else 0, resumed_at=start)
+
+    def _run_steps(self, lease: protocol.Lease, tokens: torch.Tensor, *, steps: int, generator: torch.Generator,
+                   step_offset: int, on_step: Callable[[int, float], None]) -> list[float]:
+        """The round's local steps on the model as it stands (worker/distributed.py overrides this
+        to run them across several processes)."""
+        return run_steps(self.model, self.opt, tokens, lease.inner, lr=lease.lr, steps=steps, generator=generator,
+                         step_offset=step_offset, on_step=on_step)
 
     # -- checkpoints ------------------------------------------------------------------------------
 

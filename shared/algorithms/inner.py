@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from typing import Protocol
 
 import torch
 
@@ -26,12 +27,31 @@ def make_optimizer(model: torch.nn.Module, cfg: InnerConfig) -> torch.optim.Adam
         lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))
 
 
+class GradSync(Protocol):
+    """Data parallelism across processes for run_steps (worker/distributed.py implements it over
+    torch.distributed): every process draws the step's whole batch from the same generator and
+    trains its own rows of it; the gradients are averaged before clipping and the AdamW step."""
+
+    def rows(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This process's rows of the step's whole batch."""
+
+    def all_reduce(self, model: torch.nn.Module, loss: torch.Tensor) -> float:
+        """After backward: every process's gradients become the whole batch's (the mean over all
+        rows); returns the whole batch's loss."""
+
+    def step_done(self, ok: bool) -> None:
+        """After on_step: the lead process tells the others whether the round goes on (ok False:
+        its on_step raised); a follower raises when it does not."""
+
+
 def run_steps(model: torch.nn.Module, opt: torch.optim.Optimizer, tokens: torch.Tensor, cfg: InnerConfig, *,
               lr: float, steps: int, generator: torch.Generator, step_offset: int = 0,
-              on_step=None) -> list[float]:
+              on_step=None, sync: GradSync | None = None) -> list[float]:
     """`steps` AdamW steps on random windows of `tokens`; returns the training losses.
 
     step_offset counts this worker's earlier steps, so warm-up happens once per worker, not per round.
+    sync: train data-parallel with other processes (None: this process alone); the batch drawn is
+    the same, so the steps equal this process training the whole batch alone, up to float rounding.
     """
     context = model.cfg.context
     device = next(model.parameters()).device
@@ -42,15 +62,27 @@ def run_steps(model: torch.nn.Module, opt: torch.optim.Optimizer, tokens: torch.
         for group in opt.param_groups:
             group["lr"] = lr * ramp
         x, y = sample_batch(tokens, batch_size=cfg.batch_size, context=context, generator=generator)
+        if sync is not None:
+            x, y = sync.rows(x, y)
         _, loss = model(x.to(device), y.to(device))
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        if cfg.grad_clip:
+        value = loss.item() if sync is None else sync.all_reduce(model, loss)
+        if cfg.grad_clip:  # after the all-reduce: the whole batch's gradient is clipped, on every process alike
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         opt.step()
-        losses.append(loss.item())
-        if on_step is not None:
-            on_step(i + 1, losses[-1])
+        losses.append(value)
+        if sync is None:
+            if on_step is not None:
+                on_step(i + 1, value)
+            continue
+        try:
+            if on_step is not None:
+                on_step(i + 1, value)
+        except BaseException:
+            sync.step_done(False)
+            raise
+        sync.step_done(True)
     return losses
 
 

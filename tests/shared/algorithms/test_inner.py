@@ -106,3 +106,54 @@ def test_warmup_ramps_from_the_worker_offset():
     assert all(g["lr"] == pytest.approx(0.01 * 3 / 10) for g in opt.param_groups)
     run_steps(model, opt, tokens, cfg, lr=0.01, steps=2, generator=gen, step_offset=20)
     assert all(g["lr"] == pytest.approx(0.01) for g in opt.param_groups)  # past warm-up: full lr
+
+
+class _OneProcessSync:
+    """A GradSync of one process (all rows, nothing to average) that records what run_steps asks."""
+
+    def __init__(self) -> None:
+        self.calls: list = []
+
+    def rows(self, x, y):
+        self.calls.append(("rows", x.shape[0]))
+        return x, y
+
+    def all_reduce(self, model, loss):
+        assert all(p.grad is not None for p in model.parameters())  # after backward
+        self.calls.append("all_reduce")
+        return loss.item()
+
+    def step_done(self, ok):
+        self.calls.append(("step_done", ok))
+
+
+def test_run_steps_with_a_sync_of_one_process_is_the_same_run():
+    tokens = repetitive_tokens()
+    cfg = InnerConfig(batch_size=4, lr=1e-2, warmup_steps=2, grad_clip=0.5)
+    runs, syncs = [], []
+    for sync in (None, _OneProcessSync()):
+        model = build_model(TINY, seed=1)
+        losses = run_steps(model, make_optimizer(model, cfg), tokens, cfg, lr=cfg.lr, steps=3,
+                           generator=torch.Generator().manual_seed(7), sync=sync)
+        runs.append((losses, get_params(model)))
+        syncs.append(sync)
+    assert runs[0][0] == runs[1][0]
+    for name, t in runs[0][1].items():
+        assert torch.equal(t, runs[1][1][name])
+    assert syncs[1].calls == [("rows", 4), "all_reduce", ("step_done", True)] * 3
+
+
+def test_run_steps_tells_the_sync_when_on_step_raises():
+    tokens = repetitive_tokens()
+    cfg = InnerConfig(batch_size=2, lr=1e-2, warmup_steps=0)
+    model = build_model(TINY, seed=0)
+    sync = _OneProcessSync()
+
+    def on_step(i, loss):
+        if i == 2:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run_steps(model, make_optimizer(model, cfg), tokens, cfg, lr=cfg.lr, steps=5,
+                  generator=torch.Generator().manual_seed(0), on_step=on_step, sync=sync)
+    assert [c for c in sync.calls if c[0] == "step_done"] == [("step_done", True), ("step_done", False)]
