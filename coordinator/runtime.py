@@ -13,11 +13,13 @@ seed it hands out is derived from the run's seed and a lease id, so there is no 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
 import threading
-from dataclasses import dataclass
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -27,7 +29,8 @@ import torch
 from coordinator.storage import Storage
 from shared import codec
 from shared.algorithms import robust, sparta
-from shared.algorithms.outer import OuterState, apply_delta, staleness_weight
+from shared.algorithms.compress import VALUE_KINDS
+from shared.algorithms.outer import FlatOuter, OuterState, staleness_weight
 from shared.config import RunConfig
 from shared.errors import DeltaFormatError
 from shared.model import TransformerLM, build_model, evaluate_loss, get_params, param_schema, set_params
@@ -36,7 +39,7 @@ from shared.snapshot import encode_snapshot
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class MergeOutcome:
     version: int
     merged: bool
@@ -52,23 +55,39 @@ class MergeOutcome:
 
 class RunRuntime:
     CHECKPOINTS_KEPT = 3  # a torn or corrupt newest one falls back to the one before
+    # The lazy momentum step (FlatOuter): None = by model size (outer.LAZY_MIN_PARAMS and up); tests force it.
+    lazy_momentum: bool | None = None
 
-    def __init__(self, *, run_id: int, config: RunConfig, storage: Storage, state: OuterState, version: int,
-                 norm_history: list[float] | None = None, last_exchange_id: int = 0) -> None:
+    def __init__(self, *, run_id: int, config: RunConfig, storage: Storage, state: OuterState | FlatOuter,
+                 version: int, norm_history: list[float] | None = None, last_exchange_id: int = 0) -> None:
         self.run_id = run_id
         self.config = config
         self.storage = storage
-        self.state = state
         self.version = version
         self.norm_history: list[float] = list(norm_history or [])  # robust merging: recent merged norms
         self.last_exchange_id = last_exchange_id  # the newest exchange folded into `state`
         self.model: TransformerLM = build_model(config.model, seed=config.seed)
         self.schema = param_schema(self.model)
+        # The merge rule's state, flat and with its momentum step lazy (shared/algorithms/outer.py).
+        self.outer = state if isinstance(state, FlatOuter) else FlatOuter.from_state(state, self.schema)
+        if self.lazy_momentum is not None:
+            self.outer.lazy = self.lazy_momentum
+        if self.outer.shapes != {n: tuple(s) for n, s in self.schema.items()}:
+            raise ValueError("the outer state's tensors do not match the run's model")
         inner = config.inner
         self.adam_bound = robust.adam_bound(steps=inner.steps, lr=inner.lr,
                                             n_params=sum(p.numel() for p in self.model.parameters()))
         self._eval_tokens: torch.Tensor | None = None
         self.lock = threading.Lock()  # held while the state changes or is read (evaluation, snapshot, checkpoint)
+
+    @property
+    def state(self) -> OuterState:
+        """The merge rule's state in its plain form (a materialised copy: read it, don't write it)."""
+        return self.outer.to_state()
+
+    @state.setter
+    def state(self, state: OuterState) -> None:
+        self.outer = FlatOuter.from_state(state, self.schema)
 
     @classmethod
     def fresh(cls, *, run_id: int, config: RunConfig, storage: Storage) -> RunRuntime:
@@ -79,7 +98,7 @@ class RunRuntime:
 
     def write_snapshot(self) -> tuple[str, int]:
         """Write the current weights as version `self.version`; returns (sha256, size)."""
-        blob = encode_snapshot(self.state.params, metadata={
+        blob = encode_snapshot(self.outer.params(), metadata={
             "run": self.config.name, "version": str(self.version),
             "model": json.dumps(self.config.model.to_dict())})
         self.storage.write(self.storage.snapshot(self.run_id, self.version), blob)
@@ -87,10 +106,12 @@ class RunRuntime:
 
     def write_checkpoint(self) -> Path:
         """Atomically write the state as checkpoints/<version>.ckpt; keep the newest few."""
-        tensors = {k: v.contiguous() for k, v in self.state.tensors().items()}
-        meta = {"version": str(self.version), "in_group": str(self.state.in_group),
+        # The flat state exactly as it is (not materialised), so a restart continues bit for bit.
+        tensors, outer_meta = self.outer.checkpoint()
+        tensors = {k: v.contiguous() for k, v in tensors.items()}
+        meta = {"version": str(self.version), "in_group": str(self.outer.in_group),
                 "norm_history": json.dumps(self.norm_history), "last_exchange_id": str(self.last_exchange_id),
-                "config": self.config.model_dump_json()}
+                "config": self.config.model_dump_json(), **outer_meta}
         raw = safetensors.torch.save(tensors, metadata=meta)
         digest = hashlib.sha256(raw).hexdigest()
         # The hash sits beside the data so a torn or corrupted file is detected on load.
@@ -127,7 +148,10 @@ class RunRuntime:
         tensors = safetensors.torch.load(raw)
         header_len = int.from_bytes(raw[:8], "little")
         meta = json.loads(raw[8:8 + header_len])["__metadata__"]
-        state = OuterState.from_tensors(tensors, in_group=int(meta["in_group"]))
+        if meta.get("outer_form") == "flat1":
+            state: OuterState | FlatOuter = FlatOuter.from_checkpoint(tensors, meta, in_group=int(meta["in_group"]))
+        else:  # written before the flat form: the plain tensors, converted on load
+            state = OuterState.from_tensors(tensors, in_group=int(meta["in_group"]))
         return cls(run_id=run_id, config=config, storage=storage, state=state, version=int(meta["version"]),
                    norm_history=json.loads(meta.get("norm_history", "[]")),
                    last_exchange_id=int(meta.get("last_exchange_id", "0")))
@@ -142,6 +166,38 @@ class RunRuntime:
         wasted work; they would come out byte-identical (shared/snapshot.py encodes deterministically)."""
         if seq != self.version + 1:
             raise RuntimeError(f"merge order broken: next version is {self.version + 1}, got seq {seq}")
+        out = self._merge_one(seq, base_version, self._read_decode)
+        return self._finish(out, write_snapshot)
+
+    def merge_batch(self, items: Sequence[tuple[int, int]], *, write_snapshot: bool = True) -> list[MergeOutcome]:
+        """Process several stored deltas in order: items = [(seq, base_version), ...], seqs consecutive
+        from version + 1. The same outcomes as calling merge() on each in turn (the same decisions and
+        arithmetic), but the next deltas are read and decoded on a helper thread while this one is
+        merged, and only the last version gets a snapshot (write_snapshot=True) -- the others carry
+        snapshot_sha256 "" and size 0, as merge(write_snapshot=False) does. The caller holds `lock`."""
+        items = list(items)
+        for i, (seq, _) in enumerate(items):
+            if seq != self.version + 1 + i:
+                raise RuntimeError(f"merge order broken: item {i} should be seq {self.version + 1 + i}, got {seq}")
+        if not items:
+            return []
+        outcomes: list[MergeOutcome] = []
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="idletrain-decode") as pool:
+            futures = {seq: pool.submit(self._read_decode, seq) for seq, _ in items}
+            for seq, base in items:
+                outcomes.append(self._merge_one(seq, base, lambda s: futures[s].result()))
+        outcomes[-1] = self._finish(outcomes[-1], write_snapshot)
+        return outcomes
+
+    def _read_decode(self, seq: int) -> codec.FlatDelta | Exception:
+        """The stored delta `seq`, decoded onto the flat layout, or the error that stopped it."""
+        try:
+            blob = self.storage.read(self.storage.delta(self.run_id, seq))
+            return codec.decode_flat(blob, schema=self.schema, offsets=self.outer.offsets)
+        except (OSError, DeltaFormatError) as exc:
+            return exc
+
+    def _merge_one(self, seq: int, base_version: int, fetch) -> MergeOutcome:
         staleness = self.version - base_version
         cfg = self.config.outer
         weight = staleness_weight(max(0, staleness), cfg)
@@ -151,47 +207,65 @@ class RunRuntime:
         elif staleness > cfg.max_staleness:
             reason = f"{staleness} versions stale, above the limit of {cfg.max_staleness}"
         else:
-            try:
-                blob = self.storage.read(self.storage.delta(self.run_id, seq))
-                delta = codec.decode(blob, schema=self.schema)
-            except (OSError, DeltaFormatError) as exc:
-                reason = f"stored delta unreadable: {exc}"
+            delta = fetch(seq)
+            if isinstance(delta, Exception):
+                reason = f"stored delta unreadable: {delta}"
+            elif delta.n_entries == 0:  # a sparta round's end: changes nothing, not even the group count
+                merged = True
             else:
-                if not delta.entries:  # a sparta round's end: changes nothing, not even the group count
-                    merged = True
-                else:
-                    # the outer momentum is the recent consensus direction (all zeros before the first group)
-                    verdict = robust.screen(delta, history=self.norm_history, reference=self.state.momentum,
-                                            cfg=self.config.robust, bound=self.adam_bound)
-                    reason, merged = verdict.reason, verdict.merged
-                    if merged:
-                        apply_delta(self.state, delta, weight=weight * verdict.scale, cfg=cfg)
-                    robust.remember(self.norm_history, verdict, self.config.robust)
+                # the outer momentum is the recent consensus direction (all zeros before the first group);
+                # the flat state keeps it as m = s M, and the cosine is the same against M
+                norm, cosine = robust.flat_delta_stats(delta, self.outer.m)
+                verdict = robust.decide(norm, cosine, history=self.norm_history, cfg=self.config.robust,
+                                        bound=self.adam_bound)
+                reason, merged = verdict.reason, verdict.merged
+                if merged:
+                    self.outer.apply(delta, weight=weight * verdict.scale, cfg=cfg)
+                robust.remember(self.norm_history, verdict, self.config.robust)
         self.version = seq
-        sha, size = self.write_snapshot() if write_snapshot else ("", 0)
-        return MergeOutcome(seq, merged, staleness, weight, reason, sha, size,
+        return MergeOutcome(seq, merged, staleness, weight, reason, "", 0,
                             norm=verdict.norm if verdict else None, cosine=verdict.cosine if verdict else None,
                             clipped=bool(verdict and verdict.action == "clip"))
+
+    def _finish(self, out: MergeOutcome, write_snapshot: bool) -> MergeOutcome:
+        if not write_snapshot:
+            return out
+        sha, size = self.write_snapshot()
+        return dataclasses.replace(out, snapshot_sha256=sha, snapshot_size=size)
 
     def exchange(self, sent: codec.Delta, *, exchange_id: int | None = None) -> codec.Delta:
         """Fold one sparse exchange into the global model (caller holds `lock`); returns the correction.
 
         Replay passes the recorded exchange_id; live exchanges set it once their row is committed."""
         cfg = self.config.sparta
-        correction = sparta.mix_into_centre(self.state.params, sent, alpha=cfg.alpha, values=cfg.values)
+        if self.outer.carry == 0.0:  # the weights are T itself: sparta's own code on views of it
+            correction = sparta.mix_into_centre(self.outer.views(self.outer.t), sent, alpha=cfg.alpha,
+                                                values=cfg.values)
+        else:  # the same arithmetic on theta = T - C M, written through T
+            out = []
+            with torch.no_grad():
+                for e in sent.entries:
+                    idx = torch.from_numpy(e.indices) + self.outer.offsets[e.name]
+                    d = cfg.alpha * (torch.from_numpy(np.asarray(e.values, dtype=np.float32))
+                                     - self.outer.weights_at(idx))
+                    self.outer.t.index_add_(0, idx, d)
+                    out.append(codec.Entry(e.name, e.numel, codec.IndexKind.SEEDED, VALUE_KINDS[cfg.values],
+                                           d.numpy(), e.indices, e.seed))
+            correction = codec.Delta(base_version=sent.base_version, entries=tuple(out))
         if exchange_id is not None:
             self.last_exchange_id = exchange_id
         return correction
 
     def centre_at(self, sent: codec.Delta) -> dict[str, torch.Tensor]:
-        """The centre's values at an exchange's indices (caller holds `lock`), for undo_exchange."""
-        return {e.name: self.state.params[e.name].view(-1)[torch.from_numpy(e.indices)].clone()
+        """What undo_exchange needs to put the centre back at an exchange's indices (caller holds
+        `lock`): the stored T there (the weights themselves while C = 0), so the undo is exact."""
+        return {e.name: self.outer.t[torch.from_numpy(e.indices) + self.outer.offsets[e.name]].clone()
                 for e in sent.entries}
 
     def undo_exchange(self, sent: codec.Delta, before: dict[str, torch.Tensor]) -> None:
         """Put back what centre_at saved: an exchange refused after exchange() changes nothing."""
         for e in sent.entries:
-            self.state.params[e.name].view(-1)[torch.from_numpy(e.indices)] = before[e.name]
+            self.outer.t[torch.from_numpy(e.indices) + self.outer.offsets[e.name]] = before[e.name]
 
     def eval_tokens(self) -> torch.Tensor:
         if self._eval_tokens is None:
@@ -200,5 +274,5 @@ class RunRuntime:
         return self._eval_tokens
 
     def evaluate(self) -> float:
-        set_params(self.model, self.state.params)
+        set_params(self.model, self.outer.params())
         return evaluate_loss(self.model, self.eval_tokens(), context=self.config.model.context)

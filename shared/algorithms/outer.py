@@ -104,6 +104,7 @@ def _momentum_step(state: OuterState, cfg: OuterConfig) -> None:
 
 FOLD_GAIN = 16.0  # fold the scaled form back into plain weights once T holds more than this x m
 MIN_SCALE = 2.0 ** -60  # ...or once the momentum's scale nears underflow
+LAZY_MIN_PARAMS = 1 << 22  # below this the dense step is cheap (~ms): keep apply_delta's arithmetic bit for bit
 
 
 class FlatOuter:
@@ -127,11 +128,16 @@ class FlatOuter:
     once C/s exceeds FOLD_GAIN (for mu = 0.2 every 4th group, for 0.9 every ~9th) the form is
     folded back (T = theta, M = m, s = 1, C = 0; one dense pass), keeping the error of theta
     within a few ulps of FOLD_GAIN * |m|. mu = 0 folds every group and steps densely (m = acc/G).
+
+    lazy=False (the default below LAZY_MIN_PARAMS parameters, where a dense step costs about a
+    millisecond): the momentum step is apply_delta's own dense step, tensor by tensor, and the
+    weights equal apply_delta's bit for bit; s = 1 and C = 0 throughout.
     """
 
     def __init__(self, *, shapes: Mapping[str, tuple[int, ...]], t: torch.Tensor, m: torch.Tensor,
                  scale: float = 1.0, carry: float = 0.0, in_group: int = 0,
-                 pending: list[tuple[torch.Tensor | None, int, torch.Tensor]] | None = None) -> None:
+                 pending: list[tuple[torch.Tensor | None, int, torch.Tensor]] | None = None,
+                 lazy: bool | None = None) -> None:
         self.shapes = {n: tuple(s) for n, s in shapes.items()}
         self.offsets: dict[str, int] = {}
         pos = 0
@@ -139,6 +145,7 @@ class FlatOuter:
             self.offsets[name] = pos
             pos += int(np.prod(shape, dtype=np.int64))
         self.n = pos
+        self.lazy = pos >= LAZY_MIN_PARAMS if lazy is None else bool(lazy)
         if t.shape != (pos,) or m.shape != (pos,):
             raise ValueError(f"flat state of {tuple(t.shape)} / {tuple(m.shape)} does not fit {pos} parameters")
         self.t, self.m = t, m
@@ -150,13 +157,14 @@ class FlatOuter:
     # -- conversions -------------------------------------------------------------------------
 
     @classmethod
-    def from_state(cls, state: OuterState, shapes: Mapping[str, tuple[int, ...]] | None = None) -> FlatOuter:
+    def from_state(cls, state: OuterState, shapes: Mapping[str, tuple[int, ...]] | None = None, *,
+                   lazy: bool | None = None) -> FlatOuter:
         """The flat form of `state` (copies it): T = weights, M = momentum, s = 1, C = 0."""
         shapes = {n: tuple(t.shape) for n, t in state.params.items()} if shapes is None else shapes
         t = torch.cat([state.params[n].detach().reshape(-1).to(torch.float32) for n in shapes])
         m = torch.cat([state.momentum[n].detach().reshape(-1).to(torch.float32) for n in shapes])
         acc = torch.cat([state.accum[n].detach().reshape(-1).to(torch.float32) for n in shapes])
-        out = cls(shapes=shapes, t=t, m=m, in_group=state.in_group)
+        out = cls(shapes=shapes, t=t, m=m, in_group=state.in_group, lazy=lazy)
         support = torch.nonzero(acc).reshape(-1)
         if support.numel():  # the group so far, as one sparse pending delta
             out.pending.append((support, 0, acc[support].clone()))
@@ -203,7 +211,7 @@ class FlatOuter:
 
     @classmethod
     def from_checkpoint(cls, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, str], *,
-                        in_group: int) -> FlatOuter:
+                        in_group: int, lazy: bool | None = None) -> FlatOuter:
         shapes = {n: tuple(s) for n, s in json.loads(meta["outer_layout"])}
         pending = []
         for i, off in enumerate(json.loads(meta["outer_pending_dense"])):
@@ -211,7 +219,7 @@ class FlatOuter:
             pending.append((None, off, vals) if off is not None else (tensors[f"pending/{i}/indices"], 0, vals))
         return cls(shapes=shapes, t=tensors["flat/t"].to(torch.float32), m=tensors["flat/m"].to(torch.float32),
                    scale=float(meta["outer_scale"]), carry=float(meta["outer_carry"]), in_group=in_group,
-                   pending=pending)
+                   pending=pending, lazy=lazy)
 
     # -- sparse reads and writes of the weights (exchanges) ------------------------------------
 
@@ -238,15 +246,37 @@ class FlatOuter:
             self._momentum_step(cfg)
 
     def _scatter(self, target: torch.Tensor, alpha: float) -> None:
-        """target += alpha * (the pending deltas)."""
-        sparse = [(idx, vals) for idx, _, vals in self.pending if idx is not None]
-        if len(sparse) == 1:
-            target.index_add_(0, sparse[0][0], sparse[0][1], alpha=alpha)
-        elif sparse:
-            target.index_add_(0, torch.cat([i for i, _ in sparse]), torch.cat([v for _, v in sparse]), alpha=alpha)
+        """target += alpha * (the pending deltas), delta after delta (sparse runs in one index_add_)."""
+        run: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+        def flush() -> None:
+            if len(run) == 1:
+                target.index_add_(0, run[0][0], run[0][1], alpha=alpha)
+            elif run:
+                target.index_add_(0, torch.cat([i for i, _ in run]), torch.cat([v for _, v in run]), alpha=alpha)
+            run.clear()
+
         for idx, off, vals in self.pending:
-            if idx is None:
+            if idx is not None:
+                run.append((idx, vals))
+            else:
+                flush()
                 target[off:off + vals.numel()].add_(vals, alpha=alpha)
+        flush()
+
+    def _dense_step(self, cfg: OuterConfig) -> None:
+        """apply_delta's momentum step, tensor by tensor, on the plain form (s = 1, C = 0)."""
+        acc = self.accum_flat()
+        mu = cfg.momentum
+        theta, m, a = self.views(self.t), self.views(self.m), self.views(acc)
+        for name in self.shapes:
+            if cfg.nesterov:
+                m[name].mul_(mu).add_(a[name], alpha=1.0 / cfg.group)
+                theta[name].sub_(m[name], alpha=cfg.lr * mu)
+            else:
+                theta[name].sub_(m[name], alpha=cfg.lr * mu)
+                m[name].mul_(mu).add_(a[name], alpha=1.0 / cfg.group)
+        self.pending, self.in_group = [], 0
 
     def fold(self) -> None:
         """Back to the plain form (T = theta, M = m, s = 1, C = 0): one dense pass."""
@@ -258,6 +288,10 @@ class FlatOuter:
 
     def _momentum_step(self, cfg: OuterConfig) -> None:
         mu, lr, group = cfg.momentum, cfg.lr, cfg.group
+        if not self.lazy:
+            self.fold()
+            self._dense_step(cfg)
+            return
         s_new = mu * self.scale
         c_new = self.carry + lr * mu * (s_new if cfg.nesterov else self.scale)
         if s_new < MIN_SCALE or c_new > FOLD_GAIN * s_new:
@@ -265,17 +299,7 @@ class FlatOuter:
             s_new = mu
             c_new = lr * mu * (s_new if cfg.nesterov else 1.0)
             if s_new < MIN_SCALE:  # no momentum to speak of: the plain dense step
-                if cfg.nesterov:
-                    self.m.mul_(mu)
-                    self._scatter(self.m, 1.0 / group)
-                    if mu:
-                        self.t.sub_(self.m, alpha=lr * mu)
-                else:
-                    if mu:
-                        self.t.sub_(self.m, alpha=lr * mu)
-                    self.m.mul_(mu)
-                    self._scatter(self.m, 1.0 / group)
-                self.pending, self.in_group = [], 0
+                self._dense_step(cfg)
                 return
         c_t = self.carry if cfg.nesterov else c_new
         self._scatter(self.m, 1.0 / (group * s_new))

@@ -224,7 +224,7 @@ def test_flat_outer_equals_apply_delta(momentum, nesterov, group):
     (weights, momentum, accumulator, count) after every delta, through its folds."""
     cfg = OuterConfig(lr=0.8, momentum=momentum, nesterov=nesterov, group=group)
     ref = OuterState.fresh(params(0))
-    lazy = FlatOuter.from_state(ref)
+    lazy = FlatOuter.from_state(ref, lazy=True)
     rng = np.random.default_rng(group)
     scales = [lazy.scale]
     for i in range(60):
@@ -242,7 +242,7 @@ def test_flat_outer_matches_torch_sgd():
     """G deltas from one base == torch's Nesterov SGD on their average, through the lazy form."""
     cfg = OuterConfig(lr=0.7, momentum=0.9, nesterov=True, group=3)
     p0 = params(0)
-    lazy = FlatOuter.from_state(OuterState.fresh(p0))
+    lazy = FlatOuter.from_state(OuterState.fresh(p0), lazy=True)
     ref = {n: torch.nn.Parameter(t.clone()) for n, t in p0.items()}
     opt = torch.optim.SGD(list(ref.values()), lr=cfg.lr, momentum=cfg.momentum, nesterov=True)
     for rnd in range(30):  # past several folds
@@ -261,7 +261,7 @@ def test_flat_outer_matches_torch_sgd():
 def test_flat_outer_checkpoint_continues_bit_for_bit(stop):
     import safetensors.torch
     cfg = OuterConfig(lr=0.8, momentum=0.5, group=4)
-    lazy = FlatOuter.from_state(OuterState.fresh(params(0)))
+    lazy = FlatOuter.from_state(OuterState.fresh(params(0)), lazy=True)
     rng = np.random.default_rng(0)
     deltas = [flat(random_delta(rng, i)) for i in range(30)]
     for d in deltas[:stop]:
@@ -269,7 +269,7 @@ def test_flat_outer_checkpoint_continues_bit_for_bit(stop):
     tensors, meta = lazy.checkpoint()
     raw = safetensors.torch.save({k: v.contiguous() for k, v in tensors.items()}, metadata=meta)
     header = json.loads(raw[8:8 + int.from_bytes(raw[:8], "little")])["__metadata__"]
-    back = FlatOuter.from_checkpoint(safetensors.torch.load(raw), header, in_group=lazy.in_group)
+    back = FlatOuter.from_checkpoint(safetensors.torch.load(raw), header, in_group=lazy.in_group, lazy=True)
     assert (back.scale, back.carry, back.in_group, len(back.pending)) == \
         (lazy.scale, lazy.carry, lazy.in_group, len(lazy.pending))
     for d in deltas[stop:]:
@@ -288,7 +288,7 @@ def test_flat_outer_from_a_mid_group_plain_state():
     for d in deltas[:6]:
         apply_delta(ref, d, weight=1.0, cfg=cfg)
     assert ref.in_group == 2
-    lazy = FlatOuter.from_state(ref)
+    lazy = FlatOuter.from_state(ref, lazy=True)
     assert_same_state(lazy, ref, tol=0)
     for d in deltas[6:]:
         apply_delta(ref, d, weight=1.0, cfg=cfg)
@@ -298,7 +298,7 @@ def test_flat_outer_from_a_mid_group_plain_state():
 
 def test_flat_outer_sparse_reads_and_views():
     cfg = OuterConfig(lr=0.8, momentum=0.9, group=2)
-    lazy = FlatOuter.from_state(OuterState.fresh(params(0)))
+    lazy = FlatOuter.from_state(OuterState.fresh(params(0)), lazy=True)
     rng = np.random.default_rng(2)
     for i in range(9):
         lazy.apply(flat(random_delta(rng, i)), weight=1.0, cfg=cfg)
@@ -312,3 +312,21 @@ def test_flat_outer_sparse_reads_and_views():
     assert (lazy.scale, lazy.carry) == (1.0, 0.0)
     for n in SHAPES:
         torch.testing.assert_close(lazy.params()[n], p0[n], atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_flat_outer_not_lazy_is_apply_delta_bit_for_bit(momentum, nesterov):
+    """lazy=False (small models): the plain rule's own arithmetic, so the weights are equal, not close."""
+    cfg = OuterConfig(lr=0.8, momentum=momentum, nesterov=nesterov, group=3)
+    ref = OuterState.fresh(params(0))
+    plain = FlatOuter.from_state(ref, lazy=False)
+    assert not plain.lazy and not FlatOuter.from_state(ref).lazy  # the default for a model this small
+    rng = np.random.default_rng(5)
+    for i in range(40):
+        d = random_delta(rng, i)
+        w = 0.5 if i % 5 == 0 else 1.0
+        apply_delta(ref, d, weight=w, cfg=cfg)
+        plain.apply(flat(d), weight=w, cfg=cfg)
+        assert (plain.scale, plain.carry) == (1.0, 0.0)
+        assert_same_state(plain, ref, tol=0)
