@@ -1,14 +1,22 @@
-"""create_app(settings): the FastAPI application, its lifespan, and the merger thread."""
+"""create_app(settings): the FastAPI application, its lifespan, the merger thread and the election.
+
+Every coordinator process serves the whole API. The one holding the merger lock (coordinator/leader.py)
+also holds the live models, runs the merger and answers exchanges; the others relay those to it
+(coordinator/api/relay.py) and take the lock over when its holder dies.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import threading
 
 import torch
 from fastapi import FastAPI
 
-from coordinator.api import blobs, dashboard, errors, metrics, runs, workers
+from coordinator import leader
+from coordinator.api import blobs, dashboard, errors, metrics, relay, runs, workers
 from coordinator.merger import Merger
 from coordinator.service import Coordinator
 from coordinator.settings import CoordinatorSettings
@@ -17,21 +25,93 @@ from shared import protocol
 log = logging.getLogger(__name__)
 
 
+class Election:
+    """Takes the merger lock when it is free, loads the live models, starts the merger; steps down
+    when the lock's connection is lost. While leading it also loads runs other processes created."""
+
+    def __init__(self, app: FastAPI, coord: Coordinator, merger: Merger, *, start_merger: bool) -> None:
+        self.app, self.coord, self.merger, self.start_merger = app, coord, merger, start_merger
+        self.leadership = leader.Leadership(coord.engine)
+        coord.leadership = self.leadership
+        self.listener: relay.LeaderListener | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="idletrain-election", daemon=True)
+
+    def start(self) -> None:
+        """Ask once now (so a lone process leads from its first request on), then keep asking."""
+        if self.leadership.try_take():
+            self._lead()
+        else:
+            self.coord.leads = False
+            log.info("process %d serves without the live models; another coordinator process merges", os.getpid())
+        self._thread.start()
+
+    def _lead(self) -> None:
+        coord, settings = self.coord, self.coord.settings
+        coord.drop_runs()
+        coord.load_runs()  # the newest checkpoint + a replay of what the database holds since
+        coord.leads = True
+        if settings.relay:
+            self.listener = relay.LeaderListener(self.app)
+            self.listener.start()
+            leader.publish(settings.data_dir, self.listener.url)
+        if self.start_merger:
+            self.merger.start()
+        log.info("process %d holds the merger lock: it merges%s", os.getpid(),
+                 f" and takes relayed requests on {self.listener.url}" if self.listener else "")
+
+    def _step_down(self) -> None:
+        self.coord.leads = False
+        self.merger.stop(checkpoint=False)
+        self.coord.drop_runs()
+        self._close_listener()
+        log.error("process %d lost the merger lock; another process will merge", os.getpid())
+
+    def _close_listener(self) -> None:
+        if self.listener is not None:
+            leader.unpublish(self.coord.settings.data_dir)
+            self.listener.stop()
+            self.listener = None
+
+    def _loop(self) -> None:
+        poll_s = self.coord.settings.leader_poll_s
+        while not self._stop.wait(poll_s):
+            try:
+                if self.leadership.held:
+                    if not self.leadership.still_held():
+                        self._step_down()
+                    else:
+                        self.coord.sync_runs()
+                elif self.leadership.try_take():
+                    self._lead()
+            except Exception:  # the database is away: keep trying
+                log.exception("election error")
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+        self.merger.stop()
+        self._close_listener()
+        self.leadership.release()
+
+
 def create_app(settings: CoordinatorSettings, *, start_merger: bool = True) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         torch.set_num_threads(settings.eval_threads)
         coord = Coordinator(settings)
-        coord.load_runs()
         app.state.metrics = metrics.AppMetrics(coord)
         merger = Merger(coord, on_merged=app.state.metrics.observe_merge)
         app.state.coordinator, app.state.merger = coord, merger
-        if start_merger:
-            merger.start()
+        election = Election(app, coord, merger, start_merger=start_merger)
+        election.start()
         try:
             yield
         finally:
-            merger.stop()
+            election.stop()
+            client = getattr(app.state, "relay_client", None)
+            if client is not None:
+                await client.aclose()
             coord.close()
 
     app = FastAPI(title="idletrain coordinator", version=str(protocol.API_VERSION), lifespan=lifespan)
@@ -47,3 +127,9 @@ def create_app(settings: CoordinatorSettings, *, start_merger: bool = True) -> F
     app.include_router(dashboard.router)
     app.include_router(metrics.router)
     return app
+
+
+def app_from_environment() -> FastAPI:
+    """The factory `serve --processes N` hands uvicorn: each process reads the settings from the
+    IDLETRAIN_* environment the parent set."""
+    return create_app(CoordinatorSettings())

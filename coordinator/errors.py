@@ -47,3 +47,12 @@ class TooManyRequests(ServiceError):
 
     def __init__(self, detail: str, *, retry_after: float) -> None:
         super().__init__(detail, headers={"Retry-After": str(max(1, int(retry_after + 0.999)))})
+
+
+class Unavailable(ServiceError):
+    """503: retry soon (e.g. the merger is changing hands between coordinator processes)."""
+
+    status_code = 503
+
+    def __init__(self, detail: str, *, retry_after: float = 1.0) -> None:
+        super().__init__(detail, headers={"Retry-After": str(max(1, int(retry_after + 0.999)))})

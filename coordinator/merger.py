@@ -33,16 +33,25 @@ class Merger:
         self.last_error: str | None = None
 
     def start(self) -> None:
+        self._stop.clear()
         self._thread = threading.Thread(target=self._loop, name="idletrain-merger", daemon=True)
         self._thread.start()
 
-    def stop(self, timeout: float = 30.0) -> None:
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def stop(self, timeout: float = 30.0, *, checkpoint: bool = True) -> None:
+        """Stop merging; checkpoint each run (not when this process lost the merger lock: another
+        process merges now, and the database, not this memory, is what counts)."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout)
-        for rt in self.coord.runtime_list():
-            with rt.lock:
-                rt.write_checkpoint()
+            self._thread = None
+        if checkpoint and self.coord.still_leading():
+            for rt in self.coord.runtime_list():
+                with rt.lock:
+                    rt.write_checkpoint()
 
     def _loop(self) -> None:
         last_expiry = 0.0
@@ -118,7 +127,13 @@ class Merger:
             if out.snapshot_sha256:  # versions between snapshots exist only in the merger's memory
                 s.add(ModelVersion(run_id=rt.run_id, version=out.version, sha256=out.snapshot_sha256,
                                    size_bytes=out.snapshot_size))
-            s.execute(update(Run).where(Run.id == rt.run_id).values(version=out.version))
+            # Fenced: the version moves only from the one this merge followed. A process that lost the
+            # merger lock without knowing it yet cannot merge a delta twice.
+            moved = s.execute(update(Run).where(Run.id == rt.run_id, Run.version == out.version - 1)
+                              .values(version=out.version)).rowcount
+            if not moved:
+                raise RuntimeError(f"run {rt.config.name}: version {out.version - 1} is no longer the newest; "
+                                   "another coordinator process merged it")
             s.flush()
             self.coord.record_merge(s, rec, rt.config)
             s.commit()

@@ -17,6 +17,7 @@ import secrets
 import threading
 from datetime import datetime, timedelta, timezone
 
+import torch
 import zstandard
 from sqlalchemy import and_, case, func, or_, select, update
 from sqlalchemy.exc import IntegrityError
@@ -24,7 +25,9 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from coordinator import credit, scheduler, trust
 from coordinator.db import init_db, make_engine, make_sessionmaker
-from coordinator.errors import Conflict, Forbidden, Gone, NotFound, TooManyRequests, Unauthorized, Unprocessable
+from coordinator.errors import (Conflict, Forbidden, Gone, NotFound, TooManyRequests, Unauthorized, Unavailable,
+                                Unprocessable)
+from coordinator.leader import Leadership
 from coordinator.models import DeltaRecord, EvalResult, Exchange, Lease, ModelVersion, Run, Shard, Worker, utcnow
 from coordinator.ratelimit import RateLimiter
 from coordinator.runtime import RunRuntime
@@ -37,7 +40,7 @@ from shared.algorithms.inner import scheduled_lr
 from shared.config import RunConfig
 from shared.data import cut_shards, load_corpus
 from shared.errors import DeltaFormatError
-from shared.model import build_model, count_params
+from shared.model import TransformerLM, build_model, count_params, param_schema
 from shared.snapshot import decode_snapshot
 
 log = logging.getLogger(__name__)
@@ -86,8 +89,11 @@ class Coordinator:
         self.engine = make_engine(settings.resolved_database_url)
         init_db(self.engine)
         self.sessions: sessionmaker[Session] = make_sessionmaker(self.engine)
-        self.runtimes: dict[int, RunRuntime] = {}
+        self.runtimes: dict[int, RunRuntime] = {}  # live models: only in the leading process (coordinator/leader.py)
         self._runtimes_lock = threading.Lock()
+        self.leads = True  # whether this process holds the live models (the app sets it from the merger lock)
+        self._schemas: dict[int, dict[str, tuple[int, ...]]] = {}
+        self.leadership: Leadership | None = None  # the merger lock, when the app took one
         self._ack_lock = threading.Lock()  # one delta at a time takes the next sequence number
         self.limiter = RateLimiter({"lease": (settings.lease_rate, settings.lease_burst),
                                     "upload": (settings.upload_rate, settings.upload_burst),
@@ -135,8 +141,9 @@ class Coordinator:
             s.add(EvalResult(run_id=run_id, version=0, loss=loss, tokens_trained=0))
             s.execute(update(Run).where(Run.id == run_id).values(state="active"))
             s.commit()
-        with self._runtimes_lock:
-            self.runtimes[run_id] = rt
+        if self.leads:  # otherwise the leader loads it from its checkpoint (sync_runs)
+            with self._runtimes_lock:
+                self.runtimes[run_id] = rt
         log.info("run %s created: %d shards, %d params, eval loss %.3f", cfg.name, len(shards), n_params, loss)
         return protocol.RunCreated(name=cfg.name, n_shards=len(shards), n_params=n_params,
                                    train_tokens=int(sum(x.size for x in shards)), eval_tokens=int(corpus.eval.size))
@@ -148,6 +155,50 @@ class Coordinator:
             runs = s.scalars(select(Run).where(Run.state != "creating")).all()
         for run in runs:
             self._load_run(run)
+
+    def sync_runs(self) -> int:
+        """Load the runs created since (by another coordinator process); returns how many."""
+        with self.sessions() as s:
+            runs = s.scalars(select(Run).where(Run.state != "creating", Run.id.not_in(list(self.runtimes)))).all()
+        for run in runs:
+            self._load_run(run)
+        return len(runs)
+
+    def drop_runs(self) -> None:
+        """Forget every live model (this process stopped leading)."""
+        with self._runtimes_lock:
+            self.runtimes.clear()
+
+    def schema_of(self, run_id: int) -> dict[str, tuple[int, ...]]:
+        """Name -> shape of a run's tensors, in any process: what decoding a delta needs (no weights)."""
+        rt = self.runtimes.get(run_id)
+        if rt is not None:
+            return rt.schema
+        if run_id not in self._schemas:
+            with self.sessions() as s:
+                run = s.get(Run, run_id)
+                if run is None:
+                    raise NotFound(f"no run {run_id}")
+                cfg = RunConfig.model_validate_json(run.config_json)
+            with torch.device("meta"):  # shapes only: nothing allocated, nothing initialised
+                self._schemas[run_id] = param_schema(TransformerLM(cfg.model))
+        return self._schemas[run_id]
+
+    def still_leading(self) -> bool:
+        """Whether this process still holds the merger lock (always, without one: SQLite, tests)."""
+        return self.leadership is None or self.leadership.still_held()
+
+    def live(self, run_id: int, run_name: str) -> RunRuntime:
+        """The run's live model; 503 in a process that does not lead (the routes relay to the leader)."""
+        rt = self.runtimes.get(run_id)
+        if rt is None and self.leads and self.sync_runs():  # created a moment ago by another process
+            rt = self.runtimes.get(run_id)
+        if rt is not None:
+            return rt
+        if not self.leads:
+            raise Unavailable("this coordinator process does not hold the live model and the leading one "
+                              "could not be reached; retry")
+        raise NotFound(f"run {run_name!r} is not loaded")
 
     def reload_run(self, run_id: int) -> None:
         """Rebuild one run's live state from disk (the merger's way back after a failed commit)."""
@@ -485,12 +536,10 @@ class Coordinator:
         try:
             blob = path.read_bytes()
         except FileNotFoundError:
-            rt = self.runtimes.get(run_id)
-            if rt is None:
-                raise NotFound(f"run {run_name!r} is not loaded") from None
+            schema = self.schema_of(run_id)
             try:
-                old, _ = decode_snapshot(self.storage.snapshot(run_id, from_version).read_bytes(), schema=rt.schema)
-                new, _ = decode_snapshot(self.storage.snapshot(run_id, to_version).read_bytes(), schema=rt.schema)
+                old, _ = decode_snapshot(self.storage.snapshot(run_id, from_version).read_bytes(), schema=schema)
+                new, _ = decode_snapshot(self.storage.snapshot(run_id, to_version).read_bytes(), schema=schema)
             except FileNotFoundError:
                 raise Gone(f"a snapshot between {from_version} and {to_version} is no longer kept; "
                            f"fetch snapshots/{to_version} instead") from None
@@ -532,11 +581,8 @@ class Coordinator:
                 raise Gone(f"lease {lease_id} was given up when this worker took a newer lease")
             run = s.get(Run, lease.run_id)
             cfg = RunConfig.model_validate_json(run.config_json)
-        rt = self.runtimes.get(lease.run_id)
-        if rt is None:
-            raise NotFound("the run of this lease is not loaded")
         try:
-            delta = codec.decode(body, schema=rt.schema)
+            delta = codec.decode(body, schema=self.schema_of(lease.run_id))
         except DeltaFormatError as exc:
             self._count_rejection(worker.id, lease.run_id, len(body))
             raise Unprocessable(f"delta refused: {exc}") from None
@@ -619,10 +665,8 @@ class Coordinator:
                                     f"steps {every}, {2 * every}, ... up to {steps}")
             if s.scalar(select(Exchange.id).where(Exchange.lease_id == lease_id, Exchange.step == step)) is not None:
                 raise Conflict(f"lease {lease_id} already exchanged after step {step}")
-            lease_seed, base_version, run_id = lease.seed, lease.base_version, run.id
-        rt = self.runtimes.get(run_id)
-        if rt is None:
-            raise NotFound("the run of this lease is not loaded")
+            lease_seed, base_version, run_id, run_name = lease.seed, lease.base_version, run.id, run.name
+        rt = self.live(run_id, run_name)
         try:
             sent = codec.decode(body, schema=rt.schema)
         except DeltaFormatError as exc:
@@ -635,6 +679,8 @@ class Coordinator:
             before = rt.centre_at(sent)
             try:
                 answer = codec.encode(rt.exchange(sent))
+                if not self.still_leading():  # fence: a process that lost the merger lock answers nothing more
+                    raise Unavailable("the merger is changing hands between coordinator processes; retry")
                 with self.sessions() as s:
                     row = Exchange(run_id=run_id, lease_id=lease_id, worker_id=worker.id, step=step,
                                    after_version=rt.version, body=body, bytes_in=len(body), bytes_out=len(answer))
@@ -734,10 +780,7 @@ class Coordinator:
     def evaluate_now(self, run_name: str) -> protocol.EvalPoint:
         with self.sessions() as s:
             run_id = self._run(s, run_name).id
-        rt = self.runtimes.get(run_id)
-        if rt is None:
-            raise NotFound(f"run {run_name!r} is not loaded")
-        return self.evaluate(rt)
+        return self.evaluate(self.live(run_id, run_name))
 
     # -- status -------------------------------------------------------------------------------
 

@@ -27,6 +27,12 @@ class CoordinatorSettings(BaseSettings):
                                                      "queue runs dry; leases hand out the newest snapshot (raise it "
                                                      "for large models: a 124M snapshot takes seconds to write)")
     merge_idle_s: float = Field(0.05, gt=0, description="merger's sleep when nothing is queued")
+    relay: bool = Field(False, description="the merging process also listens on a free loopback port (written to "
+                                           "data_dir/leader.json) where the other coordinator processes on the "
+                                           "same database relay exchanges and evaluations; `serve` turns it on "
+                                           "with PostgreSQL")
+    leader_poll_s: float = Field(1.0, gt=0, le=60, description="how often a process asks for the merger lock "
+                                                               "(takeover time after the leader dies)")
     eval_threads: int = Field(1, ge=1, le=256, description="torch threads for merging and evaluation")
     # Per-worker rate limits (requests per second, burst); 0 turns one off. Over it: 429 + Retry-After.
     lease_rate: float = Field(2.0, ge=0, description="lease requests per second per worker")

@@ -42,11 +42,30 @@ def cmd_coordinator_serve(args: argparse.Namespace) -> int:
     overrides = {k: v for k, v in {"host": args.host, "port": args.port, "data_dir": args.data_dir,
                                    "database_url": args.database_url, "admin_token": args.admin_token}.items()
                  if v is not None}
-    settings = CoordinatorSettings(**overrides)
+    try:
+        settings = CoordinatorSettings(**overrides)
+    except ValidationError as exc:
+        return _fail("; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()))
+    if args.processes < 1:
+        return _fail(f"--processes must be 1 or more, not {args.processes}")
+    shared_db = settings.resolved_database_url.startswith("postgresql")
+    if args.processes > 1 and not shared_db:
+        return _fail("several coordinator processes need PostgreSQL (SQLite serves one process): pass "
+                     "--database-url postgresql+psycopg://USER@HOST/DB")
     settings.data_dir.mkdir(parents=True, exist_ok=True)
-    log.info("coordinator on http://%s:%d, data in %s", settings.host, settings.port, settings.data_dir.resolve())
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=args.log_level.lower(),
-                access_log=args.log_level.upper() == "DEBUG")
+    log.info("coordinator on http://%s:%d, data in %s, %d process(es)", settings.host, settings.port,
+             settings.data_dir.resolve(), args.processes)
+    level, access = args.log_level.lower(), args.log_level.upper() == "DEBUG"
+    if args.processes == 1:
+        settings = settings.model_copy(update={"relay": shared_db})  # other coordinators may join the database
+        uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=level, access_log=access)
+        return 0
+    # uvicorn's supervisor starts the processes (and restarts one that dies); each builds its app
+    # from the environment, so the settings travel as IDLETRAIN_* variables.
+    for key, value in {**overrides, "data_dir": str(settings.data_dir.resolve()), "relay": "true"}.items():
+        os.environ[f"IDLETRAIN_{key.upper()}"] = str(value)
+    uvicorn.run("coordinator.app:app_from_environment", factory=True, workers=args.processes, host=settings.host,
+                port=settings.port, log_level=level, access_log=access)
     return 0
 
 
@@ -498,6 +517,29 @@ def cmd_bench_load(args: argparse.Namespace) -> int:
     return 0 if result["rows"] else 1
 
 
+def cmd_bench_utilisation(args: argparse.Namespace) -> int:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return _fail("the benchmark plots with matplotlib: pip install 'idletrain[bench]'")
+    from bench.utilisation import MODES, run
+
+    bad = [m for m in args.modes if m not in MODES]
+    if bad or not args.modes:
+        return _fail(f"--modes takes one or more of {', '.join(MODES)}")
+    if min(args.rounds, args.repeats, args.steps, args.batch, args.threads) < 1 or args.upload_kbps <= 0:
+        return _fail("--rounds, --repeats, --steps, --batch and --threads must be at least 1, --upload-kbps positive")
+    out = Path(args.out or "bench-results/utilisation")
+    command = (f"idletrain bench utilisation --rounds {args.rounds} --repeats {args.repeats} --steps {args.steps} "
+               f"--batch {args.batch} --upload-kbps {args.upload_kbps:g} --threads {args.threads} "
+               f"--modes {' '.join(args.modes)}")
+    result = run(out=out, rounds=args.rounds, repeats=args.repeats, steps=args.steps, batch=args.batch,
+                 upload_kbps=args.upload_kbps, threads=args.threads, modes=tuple(args.modes), command=command)
+    print((out / "results.md").read_text())
+    print(f"wrote {out / 'results.json'}, {out / 'results.md'}, {out / 'utilisation.png'}")
+    return 0 if result["modes"] else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="idletrain", description="Train one model on many idle machines.")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
@@ -510,6 +552,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--data-dir", default=None, help="blobs and the SQLite database (default ./idletrain-data)")
     serve.add_argument("--database-url", default=None, help="SQLAlchemy URL (default: SQLite in the data dir)")
     serve.add_argument("--admin-token", default=None, help="token for operator actions (required off loopback)")
+    serve.add_argument("--processes", type=int, default=1,
+                       help="HTTP processes on one port (PostgreSQL only): all answer workers, one at a time "
+                            "merges (the holder of the merger lock; another takes over when it dies)")
     serve.set_defaults(func=cmd_coordinator_serve)
     mig = coord.add_parser("migrate", help="bring the database schema to the newest version (serve does it too)")
     mig.add_argument("--data-dir", default=None, help="where the SQLite database lives (default ./idletrain-data)")
@@ -682,6 +727,19 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("--keep", action="store_true", help="keep the temporary data dir (coordinator log, blobs)")
     load.add_argument("--out", default=None, help="output folder (default bench-results/load)")
     load.set_defaults(func=cmd_bench_load)
+    util = bench.add_parser("utilisation", help="the share of wall time a real worker computes, its upload "
+                                                "throttled, overlap off and on side by side")
+    util.add_argument("--rounds", type=int, default=8, help="rounds per worker run (default 8)")
+    util.add_argument("--repeats", type=int, default=2, help="runs per mode, interleaved (default 2)")
+    util.add_argument("--steps", type=int, default=20, help="local steps per round (default 20)")
+    util.add_argument("--batch", type=int, default=8, help="sequences per local step (default 8)")
+    util.add_argument("--upload-kbps", type=float, default=10_000.0, help="upload limit, kbit/s (default 10000)")
+    util.add_argument("--threads", type=int, default=1, help="the worker's torch CPU threads (default 1)")
+    util.add_argument("--modes", nargs="+", default=["off", "on", "ahead"],
+                      help="off (--no-overlap), on (overlap, today's coordinator), ahead (overlap and the next "
+                           "lease fetched during the upload, against a coordinator patched to keep that lease)")
+    util.add_argument("--out", default=None, help="output folder (default bench-results/utilisation)")
+    util.set_defaults(func=cmd_bench_utilisation)
     return p
 
 

@@ -175,3 +175,13 @@ def test_format_status_one_line():
     line = cli.format_status(st)
     assert "version 4" in line and "5.500 -> 3.250" in line and "12,345" in line and "40x" in line
     assert "\n" not in line
+
+
+@pytest.mark.parametrize("extra, words", [
+    (["--processes", "2"], "need PostgreSQL"),
+    (["--processes", "0"], "must be 1 or more"),
+])
+def test_serve_refuses_what_it_cannot_do(tmp_path, capsys, monkeypatch, extra, words):
+    monkeypatch.delenv("IDLETRAIN_DATABASE_URL", raising=False)
+    assert cli.main(["coordinator", "serve", "--data-dir", str(tmp_path / "d"), *extra]) == 2
+    assert words in capsys.readouterr().err

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from starlette.concurrency import run_in_threadpool
 
+from coordinator.api import relay
 from coordinator.api.deps import AdminDep, CoordinatorDep
 from shared import protocol
 from shared.config import RunConfig
@@ -34,8 +35,10 @@ async def run_config(run: str, coord: CoordinatorDep) -> RunConfig:
 
 
 @router.post("/runs/{run}/evaluate", response_model=protocol.EvalPoint)
-async def evaluate(run: str, coord: CoordinatorDep, _: AdminDep) -> protocol.EvalPoint:
+async def evaluate(run: str, request: Request, coord: CoordinatorDep, _: AdminDep) -> protocol.EvalPoint:
     """Evaluate the current global model now (operators; the merger also does it every eval_every)."""
+    if not coord.leads:  # the live model is in another coordinator process
+        return await relay.forward(request, b"", coord)
     return await run_in_threadpool(coord.evaluate_now, run)
 
 

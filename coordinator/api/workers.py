@@ -9,6 +9,7 @@ from fastapi import APIRouter, Query, Request, Response
 from starlette.requests import ClientDisconnect
 from starlette.concurrency import run_in_threadpool
 
+from coordinator.api import relay
 from coordinator.api.deps import AdminDep, CoordinatorDep, CurrentWorker, RowId
 from coordinator.errors import PayloadTooLarge, ServiceError
 from shared import protocol
@@ -84,6 +85,8 @@ async def exchange(lease_id: RowId, step: Annotated[int, Query(description="the 
     if ctype != "application/octet-stream":
         raise ServiceError(f"send the exchange as application/octet-stream, not {ctype or 'nothing'}")
     body = await read_capped(request, coord.settings.max_upload_bytes)
+    if not coord.leads:  # the live model is in another coordinator process
+        return await relay.forward(request, body, coord)
     answer = await run_in_threadpool(coord.exchange, lease_id, step, worker, body)
     return Response(answer, media_type="application/octet-stream",
                     headers={protocol.H_SHA256: hashlib.sha256(answer).hexdigest()})
