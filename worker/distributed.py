@@ -86,6 +86,8 @@ def from_env(requested_device: str = "auto", environ: Mapping[str, str] | None =
     world = int(env.get("WORLD_SIZE") or 1)
     if world <= 1:
         return None
+    if "RANK" not in env:
+        raise RuntimeError(f"WORLD_SIZE is {world} but RANK is not set: start several processes with torchrun")
     rank = int(env["RANK"])
     local_rank = int(env.get("LOCAL_RANK", rank))
     local_world = int(env.get("LOCAL_WORLD_SIZE", world))
@@ -264,6 +266,9 @@ class Session:
                 signal.signal(sig, signal.SIG_IGN)
             except ValueError:  # not the main thread (tests)
                 pass
+        # torch's first optimizer costs seconds (lazy imports): pay it now, while rank 0 prepares the
+        # first round, not after its message, while rank 0 waits in the first all-reduce
+        torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])
         try:
             while True:
                 msg = self._recv_json()
@@ -281,7 +286,7 @@ class Session:
                              self.rank, msg["lease"]["lease_id"])
         except (RuntimeError, dist.DistError) as exc:
             self.closed = True
-            raise RuntimeError(f"rank {self.rank} of this worker lost rank 0 ({exc}); stopping") from exc
+            raise RuntimeError(f"rank {self.rank} of this worker stops: {exc}") from exc
         log.info("rank %d: rank 0 stopped after %d rounds trained together", self.rank, self.rounds)
         self.closed = True
         dist.destroy_process_group()
