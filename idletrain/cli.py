@@ -736,8 +736,9 @@ def build_parser() -> argparse.ArgumentParser:
     util.add_argument("--upload-kbps", type=float, default=10_000.0, help="upload limit, kbit/s (default 10000)")
     util.add_argument("--threads", type=int, default=1, help="the worker's torch CPU threads (default 1)")
     util.add_argument("--modes", nargs="+", default=["off", "on", "ahead"],
-                      help="off (--no-overlap), on (overlap, today's coordinator), ahead (overlap and the next "
-                           "lease fetched during the upload, against a coordinator patched to keep that lease)")
+                      help="off (worker setting overlap = false), on (overlap, today's coordinator), ahead "
+                           "(overlap and the next lease fetched during the upload, against a coordinator patched "
+                           "to keep that lease)")
     util.add_argument("--out", default=None, help="output folder (default bench-results/utilisation)")
     util.set_defaults(func=cmd_bench_utilisation)
     return p

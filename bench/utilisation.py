@@ -1,0 +1,302 @@
+"""`idletrain bench utilisation`: the fraction of wall time a real worker spends computing, with its
+uploads throttled (10 Mbit/s by default), overlap off and on, side by side in one run.
+
+A real coordinator runs as a subprocess on loopback (`idletrain coordinator serve`, SQLite, a fresh
+data dir), with one run of the default small model (0.64M parameters: its int8 dense delta is
+~650 KB, about half a second at 10 Mbit/s). A real worker (worker.loop.Worker, in this process, one
+torch thread, a fresh state dir each time) trains `rounds` rounds of `steps` local steps against it,
+its uploads paced by --max-upload-kbps (downloads are not limited), once per mode:
+
+    off    settings.overlap = False: upload the delta, then ask for the next lease (the old loop)
+    on     settings.overlap = True against the coordinator as it is: the upload runs on a background
+           thread while the worker saves its state, but the next lease is asked for only once the
+           upload is answered, because the coordinator gives up every earlier lease of a worker
+           that asks for a new one (the one still uploading included)
+    ahead  settings.overlap = True with lease_ahead, against a coordinator that keeps a lease whose
+           delta is still uploading: the next lease, its model update and its shard are fetched and
+           the next round trains while the upload runs. coordinator/ does not do this today: for
+           this mode only, the benchmark starts a second coordinator process whose lease grant gives
+           no earlier lease up (service._end_lease patched to skip "abandoned"); it measures what
+           the worker would reach once the coordinator keeps such a lease, not what it reaches now.
+
+Utilisation = compute / wall, from the worker's first lease request to its last acknowledged
+upload, both measured by the worker (worker.progress.Utilisation): compute is the time spent in
+the trainer's rounds (the local steps and the delta's compression); wall includes the first full
+snapshot download, every lease request, incremental model download, shard download, state save,
+and every second of upload the training did not hide. The modes run interleaved, `repeats` times,
+on the same coordinators, so a busy machine disturbs them alike; the median is reported.
+Writes results.json, results.md and utilisation.png.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import torch
+
+from idletrain.demo import free_port, wait_healthy
+from shared import protocol
+from shared.model import ModelConfig
+
+log = logging.getLogger(__name__)
+
+RUN = "util"
+GOAL = 0.97
+API = protocol.API_PREFIX
+
+# The coordinator process of mode "ahead": the lease grant gives no earlier lease up (see above).
+_KEEPING = """
+import sys
+import coordinator.service as svc
+_end_lease = svc._end_lease
+svc._end_lease = lambda s, lease, state: None if state == "abandoned" else _end_lease(s, lease, state)
+from idletrain.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+_PLAIN = "import sys\nfrom idletrain.cli import main\nsys.exit(main(sys.argv[1:]))\n"
+
+
+@dataclasses.dataclass(frozen=True)
+class Mode:
+    name: str
+    label: str
+    overlap: bool
+    lease_ahead: bool
+    keeping: bool  # runs against the coordinator that keeps a lease still uploading (patched, see above)
+
+
+MODES = {
+    "off": Mode("off", "overlap off (overlap = false)", overlap=False, lease_ahead=False, keeping=False),
+    "on": Mode("on", "overlap on, today's coordinator", overlap=True, lease_ahead=False, keeping=False),
+    "ahead": Mode("ahead", "overlap on + next lease ahead (coordinator keeping the uploading lease: patched)",
+                  overlap=True, lease_ahead=True, keeping=True),
+}
+
+
+class Coordinator:
+    """`idletrain coordinator serve` on loopback in a subprocess, with a fresh data dir."""
+
+    def __init__(self, root: Path, *, keeping: bool, env: dict[str, str]) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = root / f"coordinator-{'keeping' if keeping else 'plain'}.log"
+        self._log = open(self.log_path, "w")
+        args = ["--log-level", "WARNING", "coordinator", "serve", "--host", "127.0.0.1", "--port", str(self.port),
+                "--data-dir", str(root / f"data-{'keeping' if keeping else 'plain'}")]
+        self.proc = subprocess.Popen([sys.executable, "-c", _KEEPING if keeping else _PLAIN, *args], env=env,
+                                     cwd=root, stdout=self._log, stderr=subprocess.STDOUT)
+        self.http = httpx.Client(base_url=self.url, timeout=300)
+        try:
+            wait_healthy(self.http, self.proc, 120)
+        except RuntimeError as exc:
+            self.close()
+            raise RuntimeError(f"{exc}:\n{self.log_path.read_text()[-3000:]}") from None
+
+    def create_run(self, config: dict) -> None:
+        resp = self.http.post(f"{API}/runs", json=config)
+        if resp.status_code != 201:
+            raise RuntimeError(f"creating the run failed: {resp.status_code} {resp.text}")
+
+    def status(self) -> dict:
+        return self.http.get(f"{API}/runs/{RUN}/status").json()
+
+    def close(self) -> None:
+        self.http.close()
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+        self._log.close()
+
+
+def run_config(*, steps: int, batch: int, model: ModelConfig, shard_tokens: int, corpus: str | None = None) -> dict:
+    return {
+        "name": RUN, "corpus_max_bytes": 1 << 20, **({"corpus": corpus} if corpus else {}),
+        "shard_tokens": shard_tokens, "eval_tokens": 4096,
+        "eval_every": 1_000_000,  # no evaluations: they would take the coordinator's CPU from the worker
+        "model": dataclasses.asdict(model),
+        "inner": {"steps": steps, "batch_size": batch, "lr": 1e-3, "warmup_steps": min(5, steps)},
+        "compression": {"index": "dense", "values": "int8"},
+    }
+
+
+def measure(mode: Mode, url: str, state_dir: Path, *, rounds: int, upload_kbps: float, threads: int) -> dict:
+    """One worker, `rounds` rounds, from a fresh state dir: what its Utilisation counted."""
+    from worker.loop import Worker
+    from worker.progress import PlainDisplay
+    from worker.settings import WorkerSettings
+
+    settings = WorkerSettings(coordinator=url, run=RUN, state_dir=state_dir, device="cpu", threads=threads,
+                              max_rounds=rounds, overlap=mode.overlap, max_upload_kbps=upload_kbps,
+                              name=f"bench-{mode.name}")
+    worker = Worker(settings, display=PlainDisplay(every_s=3600.0))
+    worker.lease_ahead = mode.lease_ahead
+    try:
+        delivered = worker.run()
+    finally:
+        worker.trainer.close()
+        worker.client.close()
+    if delivered != rounds:
+        raise RuntimeError(f"mode {mode.name}: {delivered} of {rounds} rounds delivered")
+    u = worker.progress.utilisation
+    wall = u.wall_s() or 0.0
+    return {"mode": mode.name, "rounds": delivered, "utilisation": u.fraction(), "compute_s": u.compute_s,
+            "wall_s": wall, "idle_s": wall - u.compute_s, "upload_wait_s": u.upload_wait_s,
+            "bytes_sent": worker.client.sent_bytes, "bytes_received": worker.client.received_bytes}
+
+
+def warm_up(model: ModelConfig, *, batch: int, threads: int) -> None:
+    """A few untimed local steps first: torch's one-off start-up costs belong to no mode."""
+    from shared.algorithms.inner import make_optimizer, run_steps
+    from shared.config import InnerConfig
+    from shared.model import build_model
+
+    torch.set_num_threads(threads)
+    net = build_model(model)
+    inner = InnerConfig(steps=3, batch_size=batch, warmup_steps=1)
+    tokens = torch.randint(0, model.vocab_size, (model.context * batch * 4,), dtype=torch.uint8)
+    run_steps(net, make_optimizer(net, inner), tokens, inner, lr=1e-3, steps=3, generator=torch.Generator(),
+              step_offset=0)
+
+
+def summarise(samples: list[dict]) -> dict:
+    util = [s["utilisation"] for s in samples]
+    per_round = [s["wall_s"] / s["rounds"] for s in samples]
+    compute_round = [s["compute_s"] / s["rounds"] for s in samples]
+    return {"utilisation_median": statistics.median(util), "utilisation_min": min(util), "utilisation_max": max(util),
+            "wall_per_round_s": statistics.median(per_round), "compute_per_round_s": statistics.median(compute_round),
+            "idle_per_round_s": statistics.median(w - c for w, c in zip(per_round, compute_round, strict=True)),
+            "upload_wait_per_round_s": statistics.median(s["upload_wait_s"] / s["rounds"] for s in samples),
+            "sent_per_round_bytes": statistics.median(s["bytes_sent"] / s["rounds"] for s in samples),
+            "goal_met": statistics.median(util) >= GOAL}
+
+
+def run(*, out: Path, rounds: int = 8, repeats: int = 2, steps: int = 20, batch: int = 8,
+        model: ModelConfig | None = None, upload_kbps: float = 10_000.0, threads: int = 1,
+        modes: tuple[str, ...] = ("off", "on", "ahead"), shard_tokens: int = 1 << 16,
+        coordinator_env: dict[str, str] | None = None, corpus: str | None = None, command: str = "") -> dict:
+    """Measure every mode `repeats` times; `corpus` (a path on this machine) instead of the built-in one."""
+    model = model or ModelConfig()
+    chosen = [MODES[m] for m in modes]
+    out.mkdir(parents=True, exist_ok=True)
+    root = Path(tempfile.mkdtemp(prefix="idletrain-util-"))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("IDLETRAIN_")}
+    env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", IDLETRAIN_REGISTER_RATE="0",
+               **(coordinator_env or {}))
+    coords: dict[bool, Coordinator] = {}
+    samples: dict[str, list[dict]] = {m.name: [] for m in chosen}
+    t_start = time.time()
+    try:
+        cfg = run_config(steps=steps, batch=batch, model=model, shard_tokens=shard_tokens, corpus=corpus)
+        for keeping in sorted({m.keeping for m in chosen}):
+            coords[keeping] = Coordinator(root, keeping=keeping, env=env)
+            coords[keeping].create_run(cfg)
+        warm_up(model, batch=batch, threads=threads)
+        for rep in range(repeats):
+            for mode in chosen:
+                sample = measure(mode, coords[mode.keeping].url, root / f"worker-{mode.name}-{rep}", rounds=rounds,
+                                 upload_kbps=upload_kbps, threads=threads)
+                sample["repeat"] = rep
+                samples[mode.name].append(sample)
+                log.info("%s, repeat %d: %.1f%% computing (%.1f s of %.1f s)", mode.name, rep,
+                         100 * sample["utilisation"], sample["compute_s"], sample["wall_s"])
+        statuses = {("keeping" if k else "plain"): c.status() for k, c in coords.items()}
+    finally:
+        for c in coords.values():
+            c.close()
+        shutil.rmtree(root, ignore_errors=True)
+    delta_bytes = None
+    off = samples.get("off") or next(iter(samples.values()))
+    if off:
+        delta_bytes = statistics.median(s["bytes_sent"] / s["rounds"] for s in off)
+    result = {
+        "command": command, "goal": GOAL, "rounds": rounds, "repeats": repeats, "steps": steps, "batch": batch,
+        "model": dataclasses.asdict(model), "n_params": model.n_params(), "upload_kbps": upload_kbps,
+        "threads": threads, "sent_per_round_bytes": delta_bytes,
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
+                    "python": platform.python_version()},
+        "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t_start)),
+        "seconds": time.time() - t_start,
+        "modes": {m.name: {"label": m.label, "overlap": m.overlap, "lease_ahead": m.lease_ahead,
+                           "patched_coordinator": m.keeping, "summary": summarise(samples[m.name]),
+                           "samples": samples[m.name]} for m in chosen},
+        "coordinator_status": {k: {f: v.get(f) for f in ("version", "merged_deltas", "rejected_deltas")}
+                               for k, v in statuses.items()},
+    }
+    (out / "results.json").write_text(json.dumps(result, indent=1) + "\n")
+    (out / "results.md").write_text(markdown(result))
+    plot(result, out / "utilisation.png")
+    return result
+
+
+def markdown(r: dict) -> str:
+    lines = [f"# Worker utilisation, upload throttled to {r['upload_kbps'] / 1000:g} Mbit/s", ""]
+    if r["command"]:
+        lines += [f"`{r['command']}`", ""]
+    sent = r["sent_per_round_bytes"]
+    lines += [f"One worker, {r['rounds']} rounds of {r['steps']} local steps (batch {r['batch']}, model of "
+              f"{r['n_params']:,} parameters, int8 dense delta ~{(sent or 0) / 1e3:.0f} KB sent per round), "
+              f"{r['threads']} torch thread(s), {r['repeats']} repeat(s) per mode interleaved; "
+              f"{r['machine']['cpus']} CPUs, started {r['started_at']}, {r['seconds']:.0f} s in all.", "",
+              "| mode | utilisation (median) | min-max | wall/round | compute/round | not computing/round "
+              "| of it waiting for an upload | goal >= 97% |",
+              "|---|---|---|---|---|---|---|---|"]
+    for name, m in r["modes"].items():
+        s = m["summary"]
+        lines.append(f"| {name}: {m['label']} | {100 * s['utilisation_median']:.1f}% | "
+                     f"{100 * s['utilisation_min']:.1f}-{100 * s['utilisation_max']:.1f}% | "
+                     f"{s['wall_per_round_s']:.2f} s | {s['compute_per_round_s']:.2f} s | "
+                     f"{s['idle_per_round_s']:.2f} s | "
+                     f"{s['upload_wait_per_round_s']:.2f} s | {'met' if s['goal_met'] else 'not met'} |")
+    lines += ["", "Utilisation = time in the trainer's rounds / wall time from the first lease request to the last "
+              "acknowledged upload, both counted by the worker (worker/progress.py `Utilisation`). Mode `ahead` "
+              "runs against a coordinator process patched by the benchmark to give no lease up when the worker "
+              "asks for its next one; the coordinator in coordinator/ does not do that today.", ""]
+    return "\n".join(lines)
+
+
+def plot(r: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(r["modes"])
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for i, name in enumerate(names):
+        s = r["modes"][name]["summary"]
+        ax1.bar(i, s["compute_per_round_s"], color="tab:green", label="computing" if i == 0 else None)
+        ax1.bar(i, s["idle_per_round_s"], bottom=s["compute_per_round_s"], color="tab:red",
+                label="not computing" if i == 0 else None)
+        util = [100 * x["utilisation"] for x in r["modes"][name]["samples"]]
+        ax2.scatter([i] * len(util), util, color="tab:blue", zorder=3)
+        ax2.bar(i, 100 * s["utilisation_median"], color="tab:blue", alpha=0.35)
+    for ax in (ax1, ax2):
+        ax.set_xticks(range(len(names)), names)
+    ax1.set_ylabel("seconds per round (median)")
+    ax1.legend()
+    ax1.set_title("where a round's wall time goes")
+    ax2.axhline(100 * r["goal"], color="black", linestyle="--", label=f"goal {100 * r['goal']:.0f}%")
+    lo = min(100 * x["utilisation"] for m in r["modes"].values() for x in m["samples"])
+    ax2.set_ylim(max(0.0, lo - 5), 100)
+    ax2.set_ylabel("% of wall time computing")
+    ax2.set_title(f"utilisation, upload {r['upload_kbps'] / 1000:g} Mbit/s")
+    ax2.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
