@@ -404,7 +404,9 @@ class Coordinator:
             raise TooManyRequests(f"too many {action} requests from this worker; retry in {wait:.1f} s",
                                   retry_after=wait)
 
-    def grant_lease(self, run_name: str, worker: Worker) -> protocol.Lease | None:
+    def grant_lease(self, run_name: str, worker: Worker, *, keep: int | None = None) -> protocol.Lease | None:
+        """A new lease for `worker`. Its earlier live leases are given up (it restarted or lost them),
+        except `keep`: the one whose delta it is still uploading while it trains the next round."""
         self._rate_limit("lease", worker)
         self.expire_leases()
         with self.sessions() as s:
@@ -424,8 +426,12 @@ class Coordinator:
                 if wait > 0:
                     raise TooManyRequests(f"this worker is throttled ({worker.standing_reason}); "
                                           f"next lease in {wait:.0f} s", retry_after=wait)
-            # A worker asking again has given up its previous lease (it restarted, or lost it).
-            for old in s.scalars(select(Lease).where(Lease.worker_id == worker.id, Lease.state == "active")):
+            if keep is not None:
+                self._own_lease(s, keep, worker)
+            # A worker asking again has given up its previous lease (it restarted, or lost it), unless it
+            # says the lease's delta is on its way.
+            for old in s.scalars(select(Lease).where(Lease.worker_id == worker.id, Lease.state == "active",
+                                                     Lease.id != (keep if keep is not None else -1))):
                 _end_lease(s, old, "abandoned")
             s.commit()
         # Claim a shard with a conditional UPDATE: of concurrent requests that picked the same

@@ -25,6 +25,8 @@ class _Body(BaseModel):
 class Health(_Body):
     status: str = "ok"
     api_version: int = API_VERSION
+    keeps_delivering_lease: bool = Field(True, description="a lease request may name (?keep=) the worker's lease "
+                                                           "whose delta is still uploading; that lease stays live")
 
 
 class RegisterRequest(_Body):

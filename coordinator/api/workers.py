@@ -45,9 +45,12 @@ async def readmit_worker(run: str, worker_id: RowId, coord: CoordinatorDep, _: A
 
 @router.post("/runs/{run}/leases", response_model=protocol.Lease,
              responses={204: {"description": "no work right now; ask again after Retry-After seconds"}})
-async def take_lease(run: str, coord: CoordinatorDep, worker: CurrentWorker) -> protocol.Lease | Response:
+async def take_lease(run: str, coord: CoordinatorDep, worker: CurrentWorker,
+                     keep: Annotated[int | None, Query(ge=0, le=2**31 - 1, description=(
+                         "this worker's lease whose delta is still uploading: it stays live; every other "
+                         "earlier lease of the worker is given up"))] = None) -> protocol.Lease | Response:
     """Lease a data shard and the model version to train it from."""
-    lease = await run_in_threadpool(coord.grant_lease, run, worker)
+    lease = await run_in_threadpool(coord.grant_lease, run, worker, keep=keep)
     if lease is None:
         return Response(status_code=204, headers={"Retry-After": "2"})
     return lease

@@ -68,6 +68,30 @@ def test_a_new_lease_abandons_the_old_one(api, run, make_delta):
     assert api.accept(new.lease_id, make_delta(new), a).will_merge_into == 1
 
 
+def test_a_lease_still_uploading_is_kept_when_named(api, run, make_delta):
+    """A worker that trains its next round while the last delta uploads names that lease (?keep=):
+    it stays live (and its shard held); every other earlier lease is given up as before."""
+    a, b = api.register(), api.register()
+    first = api.lease(a)
+    second = api.lease(a)  # first is given up: no keep
+    resp = api.client.post(f"{API}/runs/t/leases", params={"keep": second.lease_id}, headers=a)
+    assert resp.status_code == 200, resp.text
+    third = protocol.Lease.model_validate(resp.json())
+    states = _lease_states(api)
+    assert (states[first.lease_id], states[second.lease_id], states[third.lease_id]) == \
+        ("abandoned", "active", "active")
+    assert third.shard_id != second.shard_id
+    assert api.accept(second.lease_id, make_delta(second), a).will_merge_into == 1  # the kept one delivers
+    assert api.accept(third.lease_id, make_delta(third, seed=1), a).will_merge_into == 2
+    # keep must name one of the worker's own leases; a refusal changes nothing
+    mine = api.lease(b)
+    for keep, code in ((mine.lease_id, 403), (99999, 404), (-1, 422)):
+        resp = api.client.post(f"{API}/runs/t/leases", params={"keep": keep}, headers=a)
+        assert resp.status_code == code, resp.text
+    assert _lease_states(api)[mine.lease_id] == "active"
+    assert api.client.get("/healthz").json()["keeps_delivering_lease"] is True
+
+
 def test_a_late_delta_on_an_expired_lease_is_still_merged(api, run, make_delta):
     slow, fast = api.register(), api.register()
     late_lease = api.lease(slow)
