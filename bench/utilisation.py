@@ -8,16 +8,16 @@ torch thread, a fresh state dir each time) trains `rounds` rounds of `steps` loc
 its uploads paced by --max-upload-kbps (downloads are not limited), once per mode:
 
     off    settings.overlap = False: upload the delta, then ask for the next lease (the old loop)
-    on     settings.overlap = True against the coordinator as it is: the upload runs on a background
-           thread while the worker saves its state, but the next lease is asked for only once the
-           upload is answered, because the coordinator gives up every earlier lease of a worker
-           that asks for a new one (the one still uploading included)
-    ahead  settings.overlap = True with lease_ahead, against a coordinator that keeps a lease whose
-           delta is still uploading: the next lease, its model update and its shard are fetched and
-           the next round trains while the upload runs. coordinator/ does not do this today: for
-           this mode only, the benchmark starts a second coordinator process whose lease grant gives
-           no earlier lease up (service._end_lease patched to skip "abandoned"); it measures what
-           the worker would reach once the coordinator keeps such a lease, not what it reaches now.
+    on     settings.overlap = True, lease_ahead off: the upload runs on a background thread while
+           the worker saves its state, but the next lease is asked for only once the upload is
+           answered (what the worker does with a coordinator that gives up every earlier lease of a
+           worker asking for a new one, the one still uploading included)
+    ahead  settings.overlap = True with lease_ahead: the next lease (naming the one still uploading,
+           `?keep=`), its model update and its shard are fetched and the next round trains while
+           the upload runs. Needs a coordinator that keeps that lease (/healthz says
+           keeps_delivering_lease). When the coordinator under test does not, this mode runs against
+           a second coordinator process whose lease grant gives no earlier lease up
+           (service._end_lease patched to skip "abandoned"), and the results say so.
 
 Utilisation = compute / wall, from the worker's first lease request to its last acknowledged
 upload, both measured by the worker (worker.progress.Utilisation): compute is the time spent in
@@ -74,14 +74,12 @@ class Mode:
     label: str
     overlap: bool
     lease_ahead: bool
-    keeping: bool  # runs against the coordinator that keeps a lease still uploading (patched, see above)
 
 
 MODES = {
-    "off": Mode("off", "overlap off (overlap = false)", overlap=False, lease_ahead=False, keeping=False),
-    "on": Mode("on", "overlap on, today's coordinator", overlap=True, lease_ahead=False, keeping=False),
-    "ahead": Mode("ahead", "overlap on + next lease ahead (coordinator keeping the uploading lease: patched)",
-                  overlap=True, lease_ahead=True, keeping=True),
+    "off": Mode("off", "overlap off (worker setting overlap = false)", overlap=False, lease_ahead=False),
+    "on": Mode("on", "overlap on, next lease after the upload's answer", overlap=True, lease_ahead=False),
+    "ahead": Mode("ahead", "overlap on, next lease and round during the upload", overlap=True, lease_ahead=True),
 }
 
 
@@ -108,6 +106,9 @@ class Coordinator:
         resp = self.http.post(f"{API}/runs", json=config)
         if resp.status_code != 201:
             raise RuntimeError(f"creating the run failed: {resp.status_code} {resp.text}")
+
+    def keeps_delivering_lease(self) -> bool:
+        return bool(self.http.get("/healthz").json().get("keeps_delivering_lease", False))
 
     def status(self) -> dict:
         return self.http.get(f"{API}/runs/{RUN}/status").json()
@@ -198,24 +199,29 @@ def run(*, out: Path, rounds: int = 8, repeats: int = 2, steps: int = 20, batch:
     env = {k: v for k, v in os.environ.items() if not k.startswith("IDLETRAIN_")}
     env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", IDLETRAIN_REGISTER_RATE="0",
                **(coordinator_env or {}))
-    coords: dict[bool, Coordinator] = {}
+    coords: dict[str, Coordinator] = {}
+    patched = False
     samples: dict[str, list[dict]] = {m.name: [] for m in chosen}
     t_start = time.time()
     try:
         cfg = run_config(steps=steps, batch=batch, model=model, shard_tokens=shard_tokens, corpus=corpus)
-        for keeping in sorted({m.keeping for m in chosen}):
-            coords[keeping] = Coordinator(root, keeping=keeping, env=env)
-            coords[keeping].create_run(cfg)
+        coords["plain"] = Coordinator(root, keeping=False, env=env)
+        coords["plain"].create_run(cfg)
+        if any(m.lease_ahead for m in chosen) and not coords["plain"].keeps_delivering_lease():
+            patched = True
+            coords["patched"] = Coordinator(root, keeping=True, env=env)
+            coords["patched"].create_run(cfg)
         warm_up(model, batch=batch, threads=threads)
         for rep in range(repeats):
             for mode in chosen:
-                sample = measure(mode, coords[mode.keeping].url, root / f"worker-{mode.name}-{rep}", rounds=rounds,
+                coord = coords["patched" if patched and mode.lease_ahead else "plain"]
+                sample = measure(mode, coord.url, root / f"worker-{mode.name}-{rep}", rounds=rounds,
                                  upload_kbps=upload_kbps, threads=threads)
                 sample["repeat"] = rep
                 samples[mode.name].append(sample)
                 log.info("%s, repeat %d: %.1f%% computing (%.1f s of %.1f s)", mode.name, rep,
                          100 * sample["utilisation"], sample["compute_s"], sample["wall_s"])
-        statuses = {("keeping" if k else "plain"): c.status() for k, c in coords.items()}
+        statuses = {k: c.status() for k, c in coords.items()}
     finally:
         for c in coords.values():
             c.close()
@@ -233,7 +239,7 @@ def run(*, out: Path, rounds: int = 8, repeats: int = 2, steps: int = 20, batch:
         "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t_start)),
         "seconds": time.time() - t_start,
         "modes": {m.name: {"label": m.label, "overlap": m.overlap, "lease_ahead": m.lease_ahead,
-                           "patched_coordinator": m.keeping, "summary": summarise(samples[m.name]),
+                           "patched_coordinator": patched and m.lease_ahead, "summary": summarise(samples[m.name]),
                            "samples": samples[m.name]} for m in chosen},
         "coordinator_status": {k: {f: v.get(f) for f in ("version", "merged_deltas", "rejected_deltas")}
                                for k, v in statuses.items()},
@@ -258,15 +264,23 @@ def markdown(r: dict) -> str:
               "|---|---|---|---|---|---|---|---|"]
     for name, m in r["modes"].items():
         s = m["summary"]
-        lines.append(f"| {name}: {m['label']} | {100 * s['utilisation_median']:.1f}% | "
+        label = m["label"] + (" (coordinator patched to keep the uploading lease)" if m["patched_coordinator"]
+                              else "")
+        lines.append(f"| {name}: {label} | {100 * s['utilisation_median']:.1f}% | "
                      f"{100 * s['utilisation_min']:.1f}-{100 * s['utilisation_max']:.1f}% | "
                      f"{s['wall_per_round_s']:.2f} s | {s['compute_per_round_s']:.2f} s | "
                      f"{s['idle_per_round_s']:.2f} s | "
                      f"{s['upload_wait_per_round_s']:.2f} s | {'met' if s['goal_met'] else 'not met'} |")
     lines += ["", "Utilisation = time in the trainer's rounds / wall time from the first lease request to the last "
-              "acknowledged upload, both counted by the worker (worker/progress.py `Utilisation`). Mode `ahead` "
-              "runs against a coordinator process patched by the benchmark to give no lease up when the worker "
-              "asks for its next one; the coordinator in coordinator/ does not do that today.", ""]
+              "acknowledged upload, both counted by the worker (worker/progress.py `Utilisation`)."]
+    if any(m["patched_coordinator"] for m in r["modes"].values()):
+        lines += ["Mode `ahead` ran against a coordinator process patched by the benchmark to give no lease up "
+                  "when the worker asks for its next one: the coordinator under test did not keep a lease whose "
+                  "delta is still uploading."]
+    else:
+        lines += ["Every mode ran against the same, unpatched coordinator (it keeps a lease whose delta is still "
+                  "uploading when the lease request names it)."]
+    lines.append("")
     return "\n".join(lines)
 
 

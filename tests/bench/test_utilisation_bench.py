@@ -7,12 +7,16 @@ import json
 
 import pytest
 
+from bench import utilisation
 from bench.utilisation import run
 from shared.model import ModelConfig
 
 
 @pytest.mark.slow
-def test_the_utilisation_bench_runs_every_mode_and_writes_its_outputs(tmp_path, corpus_dir):
+@pytest.mark.parametrize("keeps", [True, False], ids=["coordinator-keeps", "patched-coordinator"])
+def test_the_utilisation_bench_runs_every_mode_and_writes_its_outputs(tmp_path, corpus_dir, monkeypatch, keeps):
+    if not keeps:  # a coordinator that gives the uploading lease up: mode ahead gets its own, patched one
+        monkeypatch.setattr(utilisation.Coordinator, "keeps_delivering_lease", lambda self: False)
     out = tmp_path / "out"
     res = run(out=out, rounds=2, repeats=1, steps=3, batch=2, shard_tokens=4096, corpus=str(corpus_dir),
               model=ModelConfig(n_layer=1, d_model=32, n_head=2, context=32),
@@ -25,8 +29,13 @@ def test_the_utilisation_bench_runs_every_mode_and_writes_its_outputs(tmp_path, 
         assert 0 < sample["compute_s"] <= sample["wall_s"], name
         assert 0 < sample["utilisation"] <= 1 and sample["bytes_sent"] > 0, name
         assert mode["summary"]["goal_met"] == (mode["summary"]["utilisation_median"] >= 0.97)
-    # every delivered delta was accepted: off and on share today's coordinator, ahead has its own
-    assert res["coordinator_status"]["plain"]["rejected_deltas"] == 0
-    assert res["coordinator_status"]["keeping"]["rejected_deltas"] == 0
+    # every delivered delta was accepted, on each coordinator: mode ahead runs against a patched one only
+    # when the coordinator does not keep a lease still uploading by itself
+    patched = res["modes"]["ahead"]["patched_coordinator"]
+    assert patched or keeps
+    assert set(res["coordinator_status"]) == ({"plain", "patched"} if patched else {"plain"})
+    assert all(st["rejected_deltas"] == 0 for st in res["coordinator_status"].values())
+    assert sum(st["merged_deltas"] for st in res["coordinator_status"].values()) <= 6
     md = (out / "results.md").read_text()
     assert "| off: overlap off" in md and "| ahead:" in md and "not computing" in md
+    assert ("patched by the benchmark" in md) == patched and ("unpatched coordinator" in md) != patched
