@@ -102,8 +102,8 @@ def _momentum_step(state: OuterState, cfg: OuterConfig) -> None:
 
 # -- the coordinator's form: one flat vector, the dense momentum pass made lazy -----------------
 
-FOLD_GAIN = 16.0  # fold the scaled form back into plain weights once T holds more than this x m
-MIN_SCALE = 2.0 ** -60  # ...or once the momentum's scale nears underflow
+FOLD_GAIN = 64.0  # fold C into the weights once T holds more than this x m (float error ~ FOLD_GAIN ulps of m)
+MIN_SCALE = 2.0 ** -60  # rescale M (M = m, s = 1) once the momentum's scale nears this
 LAZY_MIN_PARAMS = 1 << 22  # below this the dense step is cheap (~ms): keep apply_delta's arithmetic bit for bit
 
 
@@ -125,9 +125,10 @@ class FlatOuter:
     which is exactly m' = mu m + acc / G and theta' = theta - lr mu m' (Nesterov; heavy-ball uses
     the old m) on every element, touched or not, up to float rounding: O(k) per delta and per
     group instead of a dense pass over 3 n. Rounding: T carries (C/s) m on top of the weights, so
-    once C/s exceeds FOLD_GAIN (for mu = 0.2 every 4th group, for 0.9 every ~9th) the form is
-    folded back (T = theta, M = m, s = 1, C = 0; one dense pass), keeping the error of theta
-    within a few ulps of FOLD_GAIN * |m|. mu = 0 folds every group and steps densely (m = acc/G).
+    once C/s exceeds FOLD_GAIN (for mu = 0.2 every 5th group, for 0.9 every ~24th) C is folded
+    into the weights (T -= C M, C = 0: one dense pass over T and M), keeping the error of theta
+    within a few ulps of FOLD_GAIN * |m|; M itself is rescaled (M = m, s = 1) only when s falls
+    below MIN_SCALE. mu = 0 steps densely every group (m = acc/G).
 
     lazy=False (the default below LAZY_MIN_PARAMS parameters, where a dense step costs about a
     millisecond): the momentum step is apply_delta's own dense step, tensor by tensor, and the
@@ -224,8 +225,8 @@ class FlatOuter:
     # -- sparse reads and writes of the weights (exchanges) ------------------------------------
 
     def weights_at(self, idx: torch.Tensor) -> torch.Tensor:
-        t = self.t[idx]
-        return t if self.carry == 0.0 else t.sub_(self.m[idx], alpha=self.carry)
+        t = torch.index_select(self.t, 0, idx)
+        return t if self.carry == 0.0 else t.sub_(torch.index_select(self.m, 0, idx), alpha=self.carry)
 
     # -- the merge rule --------------------------------------------------------------------------
 
@@ -278,13 +279,14 @@ class FlatOuter:
                 m[name].mul_(mu).add_(a[name], alpha=1.0 / cfg.group)
         self.pending, self.in_group = [], 0
 
-    def fold(self) -> None:
-        """Back to the plain form (T = theta, M = m, s = 1, C = 0): one dense pass."""
+    def fold(self, *, rescale: bool = True) -> None:
+        """T = theta, C = 0 (one dense pass over T and M); rescale: also M = m, s = 1 (the plain form)."""
         if self.carry != 0.0:
             self.t.sub_(self.m, alpha=self.carry)
-        if self.scale != 1.0:
+        self.carry = 0.0
+        if rescale and self.scale != 1.0:
             self.m.mul_(self.scale)
-        self.scale, self.carry = 1.0, 0.0
+            self.scale = 1.0
 
     def _momentum_step(self, cfg: OuterConfig) -> None:
         mu, lr, group = cfg.momentum, cfg.lr, cfg.group
@@ -295,10 +297,10 @@ class FlatOuter:
         s_new = mu * self.scale
         c_new = self.carry + lr * mu * (s_new if cfg.nesterov else self.scale)
         if s_new < MIN_SCALE or c_new > FOLD_GAIN * s_new:
-            self.fold()
-            s_new = mu
-            c_new = lr * mu * (s_new if cfg.nesterov else 1.0)
-            if s_new < MIN_SCALE:  # no momentum to speak of: the plain dense step
+            self.fold(rescale=s_new < MIN_SCALE)
+            s_new = mu * self.scale
+            c_new = lr * mu * (s_new if cfg.nesterov else self.scale)
+            if s_new < MIN_SCALE:  # no momentum to speak of (mu ~ 0): the plain dense step
                 self._dense_step(cfg)
                 return
         c_t = self.carry if cfg.nesterov else c_new

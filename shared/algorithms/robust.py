@@ -70,20 +70,21 @@ def flat_delta_stats(delta: FlatDelta, reference: torch.Tensor | None) -> tuple[
     """delta_stats for a FlatDelta against a flat reference vector, in one gather for all tensors.
 
     Any positive multiple of the reference gives the same cosine, so the coordinator passes its
-    momentum's unscaled form (FlatOuter.m, m = s M)."""
+    momentum's unscaled form (FlatOuter.m, m = s M). Sums are numpy's pairwise float64 sums (no
+    BLAS: the same bits whatever the machine's thread count)."""
     v = np.asarray(delta.values, dtype=np.float64)
-    sq = float(v @ v)
+    sq = float(np.add.reduce(v * v))
     dot = ref_sq = 0.0
     if reference is not None and v.size:
-        r = reference[torch.from_numpy(delta.indices)].numpy().astype(np.float64)
-        dot, ref_sq = float(v @ r), float(r @ r)
+        r = torch.index_select(reference, 0, torch.from_numpy(delta.indices)).numpy().astype(np.float64)
+        dot, ref_sq = float(np.add.reduce(v * r)), float(np.add.reduce(r * r))
     for off, dv in delta.dense:
         d = np.asarray(dv, dtype=np.float64)
-        sq += float(d @ d)
+        sq += float(np.add.reduce(d * d))
         if reference is not None:
             r = reference[off:off + d.size].numpy().astype(np.float64)
-            dot += float(d @ r)
-            ref_sq += float(r @ r)
+            dot += float(np.add.reduce(d * r))
+            ref_sq += float(np.add.reduce(r * r))
     norm = math.sqrt(sq)
     if reference is None or ref_sq == 0.0 or norm == 0.0:
         return norm, None

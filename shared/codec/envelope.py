@@ -28,7 +28,7 @@ from collections.abc import Mapping
 import numpy as np
 import zstandard
 
-from shared.codec.indices import INDEX_CODECS, IndexKind, seeded_indices_many
+from shared.codec.indices import INDEX_CODECS, IndexKind, _bits_for, seeded_indices_many
 from shared.codec.values import BLOCK, VALUE_CODECS, ValueKind
 from shared.errors import DeltaFormatError, DeltaMismatchError
 
@@ -288,6 +288,16 @@ def _parse_body_flat(raw: memoryview, schema: Mapping[str, tuple[int, ...]], off
             if pos + 8 > len(raw):
                 raise DeltaFormatError("truncated seed")
             (index,) = struct.unpack("<Q", take(8, "a seed"))
+        elif index_kind == IndexKind.PACKED and pos < len(raw) and raw[pos] <= 56:
+            # the bits are unpacked below, for every packed entry at once; here only the checks
+            width = raw[pos]
+            if width != _bits_for(numel):
+                raise DeltaMismatchError(f"index width {width} bits does not fit numel {numel}")
+            nbytes = (k * width + 7) // 8
+            if pos + 1 + nbytes > len(raw):
+                raise DeltaFormatError("truncated packed indices")
+            index = (pos + 1, width)
+            pos += 1 + nbytes
         else:
             index, _, used = INDEX_CODECS[index_kind].decode(raw[pos:], numel=numel, k=k)
             pos += used
@@ -309,23 +319,59 @@ def _parse_body_flat(raw: memoryview, schema: Mapping[str, tuple[int, ...]], off
         raise DeltaFormatError(f"{len(raw) - pos} unexpected bytes after the last entry")
     sparse.sort(key=lambda item: item[0])
     dense.sort(key=lambda item: item[0])
-    return FlatDelta(base_version, n_entries, _flat_indices(sparse), _flat_values(sparse), tuple(dense))
+    return FlatDelta(base_version, n_entries, _flat_indices(sparse, raw), _flat_values(sparse), tuple(dense))
 
 
-def _flat_indices(sparse: list[tuple]) -> np.ndarray:
+def _flat_indices(sparse: list[tuple], raw: memoryview) -> np.ndarray:
     if not sparse:
         return np.zeros(0, dtype=np.int64)
     seeded = [item for item in sparse if item[1] == IndexKind.SEEDED]
     regenerated = seeded_indices_many([item[2] for item in seeded], [item[3] for item in seeded],
                                       [item[4] for item in seeded], [item[0] for item in seeded])
-    pieces, at = [], 0
+    packed = [item for item in sparse if isinstance(item[2], tuple)]
+    unpacked = _unpack_many(raw, packed)
+    pieces, at, at_p = [], 0, 0
     for off, kind, index, _numel, k, _values, _section in sparse:
         if kind == IndexKind.SEEDED:
             pieces.append(regenerated[at:at + k])
             at += k
+        elif isinstance(index, tuple):
+            pieces.append(unpacked[at_p:at_p + k])
+            at_p += k
         else:
             pieces.append(index + off)
     return np.concatenate(pieces)
+
+
+def _unpack_many(raw: memoryview, packed: list[tuple]) -> np.ndarray:
+    """Every PACKED entry's indices (widths <= 56 bits), as global indices, checked as
+    PackedIndices.decode checks them: in range, strictly increasing."""
+    if not packed:
+        return np.zeros(0, dtype=np.int64)
+    ks = np.asarray([item[4] for item in packed], dtype=np.int64)
+    widths = np.asarray([item[2][1] for item in packed], dtype=np.int64)
+    starts = np.asarray([item[2][0] for item in packed], dtype=np.int64)  # byte where each entry's bits begin
+    padded = np.zeros(len(raw) + 8, dtype=np.uint8)
+    padded[:len(raw)] = np.frombuffer(raw, dtype=np.uint8)
+    # overlapping big-endian 8-byte windows, one starting at every byte of the body (a strided view)
+    windows = np.ndarray(shape=(len(raw) + 1,), dtype=">u8", buffer=padded.data, strides=(1,))
+    entry = np.repeat(np.arange(ks.size), ks)
+    first = np.concatenate(([0], np.cumsum(ks)[:-1]))
+    i = np.arange(int(ks.sum()), dtype=np.int64) - first[entry]
+    w = widths[entry]
+    bitpos = starts[entry] * 8 + i * w
+    word = windows[bitpos >> 3].astype(np.uint64)
+    local = ((word << (bitpos & 7).astype(np.uint64)) >> (64 - w).astype(np.uint64)).astype(np.int64)
+    numels = np.asarray([item[3] for item in packed], dtype=np.int64)
+    bad = local >= numels[entry]
+    if bad.any():
+        j = int(np.argmax(bad))
+        raise DeltaMismatchError(f"index {int(local[j])} out of range for numel {int(numels[entry[j]])}")
+    step_ok = local[1:] > local[:-1]
+    step_ok |= entry[1:] != entry[:-1]  # a new entry starts over
+    if not step_ok.all():
+        raise DeltaMismatchError("indices must be strictly increasing (sorted, no duplicates)")
+    return local + np.asarray([item[0] for item in packed], dtype=np.int64)[entry]
 
 
 def _flat_values(sparse: list[tuple]) -> np.ndarray:
