@@ -379,6 +379,24 @@ def _proc_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def _tree_cpu_s(pid: int) -> float:
+    """CPU seconds of a process and its living descendants (`serve --processes N`: the supervisor's workers)."""
+    parents: dict[int, int] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                parents[int(d.name)] = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+    tree, frontier = {pid}, [pid]
+    while frontier:
+        p = frontier.pop()
+        kids = [c for c, pp in parents.items() if pp == p and c not in tree]
+        tree.update(kids)
+        frontier.extend(kids)
+    return sum(_proc_cpu_s(p) for p in tree)
+
+
 def _postgres_cpu() -> dict[int, float]:
     """pid -> CPU seconds of every postgres process on this machine (empty if none is seen)."""
     out = {}
@@ -489,7 +507,8 @@ def _status(url: str, http: httpx.Client, *, patience_s: float = DRAIN_LIMIT_S) 
 def run(*, workers: list[int] = (10, 100, 1000), think_s: float = 10.0, duration_s: float = 60.0,
         warmup_s: float | None = None, database_url: str | None = DEFAULT_PG_URL, model: str = "gpt2-124m",
         fraction: float = 0.001, pull: str = "304", clients: int | None = None, shards: int | None = None,
-        out: Path = Path("bench-results/load"), update_probe: bool = True, keep: bool = False) -> dict:
+        out: Path = Path("bench-results/load"), update_probe: bool = True, keep: bool = False,
+        processes: int = 1) -> dict:
     """Run the benchmark at each N in `workers`; write results.json, results.md and p99.png under `out`."""
     models = model_configs()
     if model not in models:
@@ -499,6 +518,8 @@ def run(*, workers: list[int] = (10, 100, 1000), think_s: float = 10.0, duration
     workers = sorted(set(int(n) for n in workers))
     if not workers or workers[0] < 1:
         raise ValueError("--workers takes one or more positive counts")
+    if processes < 1 or (processes > 1 and not database_url):
+        raise ValueError("--processes takes 1 or more, and several processes need PostgreSQL")
     if think_s <= 0 or duration_s <= 0 or not 0 < fraction <= 1:
         raise ValueError("--think-s and --duration-s must be positive, --fraction in (0, 1]")
     warmup_s = think_s + 5.0 if warmup_s is None else warmup_s
@@ -517,7 +538,7 @@ def run(*, workers: list[int] = (10, 100, 1000), think_s: float = 10.0, duration
         with Database(database_url) as db:
             return _run(mcfg, model=model, workers=workers, think_s=think_s, duration_s=duration_s,
                         warmup_s=warmup_s, db=db, fraction=fraction, pull=pull, clients=clients, shards=shards,
-                        out=out, tmp=tmp, update_probe=update_probe, t_start=t_start)
+                        out=out, tmp=tmp, update_probe=update_probe, t_start=t_start, processes=processes)
     finally:
         if keep:
             log.info("kept %s", tmp)
@@ -527,7 +548,7 @@ def run(*, workers: list[int] = (10, 100, 1000), think_s: float = 10.0, duration
 
 def _run(mcfg, *, model: str, workers: list[int], think_s: float, duration_s: float, warmup_s: float, db: Database,
          fraction: float, pull: str, clients: int | None, shards: int, out: Path, tmp: Path, update_probe: bool,
-         t_start: float) -> dict:
+         t_start: float, processes: int = 1) -> dict:
     from idletrain.demo import free_port, wait_healthy
     from shared.model import build_model, param_schema
 
@@ -540,7 +561,7 @@ def _run(mcfg, *, model: str, workers: list[int], think_s: float, duration_s: fl
     write_corpus(corpus, corpus_bytes)
     log_path = tmp / "coordinator.log"
     serve = [sys.executable, "-m", "idletrain", "--log-level", "WARNING", "coordinator", "serve",
-             "--port", str(port), "--data-dir", str(data_dir)]
+             "--port", str(port), "--data-dir", str(data_dir), "--processes", str(processes)]
     if db.url:
         serve += ["--database-url", db.url]
     log.info("starting the coordinator on %s (%s)", url, "PostgreSQL schema " + db.schema if db.url else "SQLite")
@@ -580,7 +601,7 @@ def _run(mcfg, *, model: str, workers: list[int], think_s: float, duration_s: fl
                 "shard_tokens": SHARD_TOKENS, "shard_scan_ms": scan, "run_create_s": round(create_s, 1),
                 "request_timeout_s": REQUEST_TIMEOUT_S,
                 "coordinator_env": {"IDLETRAIN_REGISTER_RATE": "0", "IDLETRAIN_SNAPSHOT_KEEP": "4"},
-                "cpus": os.cpu_count(), "python": sys.version.split()[0], "httpx": httpx.__version__,
+                "processes": processes, "cpus": os.cpu_count(), "python": sys.version.split()[0], "httpx": httpx.__version__,
                 "date": datetime.date.today().isoformat(), "workers_asked": workers, "not_run": [],
                 "final_status": None, "update_probe": None, "total_wall_s": None}
         rows: list[dict] = []
@@ -702,10 +723,10 @@ def _step(n: int, *, url: str, http: httpx.Client, proc: subprocess.Popen, token
     with concurrent.futures.ProcessPoolExecutor(max_workers=k, mp_context=ctx) as pool:
         futs = [pool.submit(client_main, job) for job in jobs]
         time.sleep(max(0.0, t_measure - time.monotonic()))
-        c0, p0, m0, l0 = _proc_cpu_s(proc.pid), _postgres_cpu(), _machine_cpu(), os.getloadavg()
+        c0, p0, m0, l0 = _tree_cpu_s(proc.pid), _postgres_cpu(), _machine_cpu(), os.getloadavg()
         activity = _pg_activity(db_url, t_end) if pg else {}
         time.sleep(max(0.0, t_end - time.monotonic()))
-        c1, p1, m1 = _proc_cpu_s(proc.pid), _postgres_cpu(), _machine_cpu()
+        c1, p1, m1 = _tree_cpu_s(proc.pid), _postgres_cpu(), _machine_cpu()
         load = os.getloadavg()
         parts_out = [f.result(timeout=REQUEST_TIMEOUT_S * 3 + 60) for f in futs]
     t_clients_done = time.monotonic()
@@ -856,7 +877,9 @@ def markdown(result: dict) -> str:
     meta, goal = result["meta"], result["goal"]
     d = meta["delta"]
     pulled = "a 304 revalidation of the snapshot" if meta["pull"] == "304" else "the int8 update"
-    lines = [f"# Coordinator load, `{meta['model']}` ({meta['n_params']:,} parameters), {meta['database']}",
+    procs = meta.get("processes", 1)
+    lines = [f"# Coordinator load, `{meta['model']}` ({meta['n_params']:,} parameters), {meta['database']}"
+             + (f", {procs} coordinator processes" if procs > 1 else ""),
              "",
              f"Each worker: lease -> pull (shard + {pulled} when the base version moved) -> think "
              f"{meta['think_s']:g} s x U(0.5, 1.5) -> upload a {d['delta_bytes']:,}-byte delta (random/seeded "
@@ -928,10 +951,10 @@ def plot(result: dict, path: Path) -> None:
     ns = [r["workers"] for r in rows]
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
     for kind, color in (("lease", "tab:blue"), ("upload", "tab:orange")):
-        p99 = [r[kind]["p99_ms"] for r in rows]
-        p50 = [r[kind]["p50_ms"] for r in rows]
-        ax.plot(ns, p99, "o-", color=color, label=f"{kind} p99")
-        ax.plot(ns, p50, "o:", color=color, alpha=0.6, label=f"{kind} p50")
+        for q, style, alpha in (("p99_ms", "o-", 1.0), ("p50_ms", "o:", 0.6)):
+            pts = [(n, r[kind][q]) for n, r in zip(ns, rows) if r[kind][q]]  # an N without answers has none
+            if pts:
+                ax.plot(*zip(*pts), style, color=color, alpha=alpha, label=f"{kind} {q[:3]}")
     ax.axhline(GOAL_P99_MS, color="red", linestyle="--", linewidth=1, label=f"goal: p99 < {GOAL_P99_MS:g} ms")
     meta = result["meta"]
     timeout_ms = 1000 * meta.get("request_timeout_s", REQUEST_TIMEOUT_S)

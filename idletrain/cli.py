@@ -505,13 +505,15 @@ def cmd_bench_load(args: argparse.Namespace) -> int:
         return _fail("--fraction must be in (0, 1]")
     if args.pull not in PULL_MODES:
         return _fail(f"--pull takes one of {', '.join(PULL_MODES)}")
+    if args.processes < 1 or (args.processes > 1 and args.sqlite):
+        return _fail("--processes takes 1 or more, and several processes need PostgreSQL (drop --sqlite)")
     if (args.clients is not None and args.clients < 1) or (args.shards is not None and args.shards < 1):
         return _fail("--clients and --shards must be at least 1")
     out = Path(args.out or "bench-results/load")
     result = run(workers=args.workers, think_s=args.think_s, duration_s=args.duration_s, warmup_s=args.warmup_s,
                  database_url=None if args.sqlite else (args.database_url or DEFAULT_PG_URL), model=args.model,
                  fraction=args.fraction, pull=args.pull, clients=args.clients, shards=args.shards, out=out,
-                 update_probe=not args.no_update_probe, keep=args.keep)
+                 update_probe=not args.no_update_probe, keep=args.keep, processes=args.processes)
     print((out / "results.md").read_text())
     print(f"wrote {out / 'results.json'}, {out / 'results.md'}, {out / 'p99.png'}")
     return 0 if result["rows"] else 1
@@ -724,6 +726,8 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("--shards", type=int, default=None, help="shards of the run (default: no epoch ends during "
                                                                "the benchmark)")
     load.add_argument("--no-update-probe", action="store_true", help="skip timing one update GET at the end")
+    load.add_argument("--processes", type=int, default=1, help="coordinator processes (serve --processes; "
+                                                                  "PostgreSQL only)")
     load.add_argument("--keep", action="store_true", help="keep the temporary data dir (coordinator log, blobs)")
     load.add_argument("--out", default=None, help="output folder (default bench-results/load)")
     load.set_defaults(func=cmd_bench_load)

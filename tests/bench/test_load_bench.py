@@ -17,9 +17,9 @@ from shared.model import ModelConfig, build_model, param_schema
 from tests.conftest import PG_URL, postgres_reason
 
 
-def _bench(out, *extra: str) -> dict:
-    rc = main(["bench", "load", "--model", "small", "--workers", "3", "--think-s", "0.1", "--duration-s", "2",
-               "--warmup-s", "0.5", "--shards", "200", "--out", str(out), *extra])
+def _bench(out, *extra: str, duration_s: float = 2) -> dict:
+    rc = main(["bench", "load", "--model", "small", "--workers", "3", "--think-s", "0.1", "--duration-s",
+               str(duration_s), "--warmup-s", "0.5", "--shards", "200", "--out", str(out), *extra])
     assert rc == 0
     return json.loads((out / "results.json").read_text())
 
@@ -59,7 +59,7 @@ def test_load_bench_sqlite(tmp_path):
 
 
 @pytest.mark.slow
-def test_load_bench_postgresql_with_updates(tmp_path):
+def test_load_bench_postgresql_two_processes_with_updates(tmp_path):
     reason = postgres_reason()
     if reason:
         pytest.skip(reason)
@@ -73,8 +73,9 @@ def test_load_bench_postgresql_with_updates(tmp_path):
         return {n for n in names if n.startswith("bench_load_")}
 
     before = schemas()
-    res = _bench(tmp_path, "--database-url", PG_URL, "--pull", "update")
-    assert res["meta"]["database"] == "postgresql"
+    # a longer window: the second process may still be starting (importing torch) when the first answers
+    res = _bench(tmp_path, "--database-url", PG_URL, "--pull", "update", "--processes", "2", duration_s=4)
+    assert res["meta"]["database"] == "postgresql" and res["meta"]["processes"] == 2
     _check(res, tmp_path, pull="update")
     assert schemas() == before  # the fresh schema was dropped
     probe = res["meta"]["update_probe"]
@@ -98,3 +99,4 @@ def test_cli_refuses_bad_arguments():
     assert main(["bench", "load", "--workers", "0"]) != 0
     assert main(["bench", "load", "--pull", "everything"]) != 0
     assert main(["bench", "load", "--fraction", "2"]) != 0
+    assert main(["bench", "load", "--processes", "2", "--sqlite"]) != 0
