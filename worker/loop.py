@@ -609,8 +609,10 @@ class Worker:
                         break
                     self._settle_upload()  # the last round's answer (a refusal means one more round)
                     continue
-                if self._inflight is not None and (self._inflight.done.is_set() or not self._may_lease_ahead()):
-                    # answered already, or asking for a lease would give up the one still uploading
+                if self._inflight is not None and (self._inflight.done.is_set() or not self._may_lease_ahead()
+                                                   or not self.governor.check(in_round=False).train):
+                    # answered already, asking for a lease would give up the one still uploading, or a
+                    # pause comes next (the round counts before it)
                     self._settle_upload()
                     continue
                 if not self.governor.wait_between_rounds(self.stop.event):

@@ -33,7 +33,11 @@ def _worker(api, tmp_path, rounds):
     transport = MergingTransport(api)
     settings = WorkerSettings(coordinator=URL, run="t", state_dir=tmp_path / "worker", device="cpu",
                               max_rounds=rounds)
-    return Worker(settings, client=CoordinatorClient(URL, transport=transport, max_retries=2)), transport
+    worker = Worker(settings, client=CoordinatorClient(URL, transport=transport, max_retries=2))
+    # rounds in sequence: each lease after the previous delta was merged (leasing ahead, the next round
+    # would start from the version before it, and there would be fewer versions to update across)
+    worker.lease_ahead = False
+    return worker, transport
 
 
 def _gets(transport, kind):
