@@ -15,6 +15,7 @@ import hashlib
 import logging
 import secrets
 import threading
+import time
 from datetime import datetime, timedelta, timezone
 
 import torch
@@ -83,6 +84,9 @@ def _thin(points: list, limit: int) -> list:
 class Coordinator:
     """Owns the database, the blob storage and each run's live state."""
 
+    SEEN_EVERY_S = 5.0  # a worker's last_seen is written at most this often
+    EXPIRE_EVERY_S = 0.5  # a lease request sweeps expired leases at most this often (per process)
+
     def __init__(self, settings: CoordinatorSettings) -> None:
         self.settings = settings
         self.storage = Storage(settings.data_dir)
@@ -94,6 +98,7 @@ class Coordinator:
         self.leads = True  # whether this process holds the live models (the app sets it from the merger lock)
         self._schemas: dict[int, dict[str, tuple[int, ...]]] = {}
         self.leadership: Leadership | None = None  # the merger lock, when the app took one
+        self._expired_at = float("-inf")  # monotonic time of the last expiry sweep in this process
         self._ack_lock = threading.Lock()  # one delta at a time takes the next sequence number
         self.limiter = RateLimiter({"lease": (settings.lease_rate, settings.lease_burst),
                                     "upload": (settings.upload_rate, settings.upload_burst),
@@ -379,14 +384,19 @@ class Coordinator:
                 raise Forbidden("this worker's token was revoked by the operator")
             if worker.standing == "banned":
                 raise Forbidden(f"this worker is banned: {worker.standing_reason}; ask the operator")
-            worker.last_seen = utcnow()
-            s.commit()
+            now = utcnow()
+            # last_seen feeds the dashboard's five-minute "live" window: a write every few seconds per
+            # worker is plenty, not one per request
+            if (now - _aware(worker.last_seen)).total_seconds() >= self.SEEN_EVERY_S:
+                worker.last_seen = now
+                s.commit()
             return worker
 
     # -- leases -------------------------------------------------------------------------------
 
     def expire_leases(self, now: datetime | None = None) -> int:
         """Return the shards of leases past their deadline to the queue."""
+        self._expired_at = time.monotonic()
         now = now or utcnow()
         with self.sessions() as s:
             dead = s.scalars(select(Lease).where(Lease.state == "active", Lease.deadline <= now)).all()
@@ -408,7 +418,8 @@ class Coordinator:
         """A new lease for `worker`. Its earlier live leases are given up (it restarted or lost them),
         except `keep`: the one whose delta it is still uploading while it trains the next round."""
         self._rate_limit("lease", worker)
-        self.expire_leases()
+        if time.monotonic() - self._expired_at >= self.EXPIRE_EVERY_S:  # the merger sweeps too, every second
+            self.expire_leases()
         with self.sessions() as s:
             run = self._run(s, run_name)
             if worker.run_id != run.id:
