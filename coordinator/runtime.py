@@ -238,6 +238,7 @@ class RunRuntime:
 
         Replay passes the recorded exchange_id; live exchanges set it once their row is committed."""
         cfg = self.config.sparta
+        self.outer.flush()  # the weights' deferred share of the pending deltas goes into T first
         if self.outer.carry == 0.0:  # the weights are T itself: sparta's own code on views of it
             correction = sparta.mix_into_centre(self.outer.views(self.outer.t), sent, alpha=cfg.alpha,
                                                 values=cfg.values)
@@ -259,6 +260,7 @@ class RunRuntime:
     def centre_at(self, sent: codec.Delta) -> dict[str, torch.Tensor]:
         """What undo_exchange needs to put the centre back at an exchange's indices (caller holds
         `lock`): the stored T there (the weights themselves while C = 0), so the undo is exact."""
+        self.outer.flush()
         return {e.name: self.outer.t[torch.from_numpy(e.indices) + self.outer.offsets[e.name]].clone()
                 for e in sent.entries}
 

@@ -118,7 +118,9 @@ class FlatOuter:
         momentum m     = s * M
         accumulator    = the sum of the pending deltas
 
-    A delta:        T -= lr/G * w g (its k elements); w g joins the pending list.
+    A delta:        w g joins the pending list; T -= lr/G * w g is deferred to the group's end
+                    (or an earlier flush(): an exchange writing the weights), where it joins
+                    the momentum step's own scatter into T: one random pass saved per delta.
     Momentum step:  s' = mu s; D = acc / (G s') (sparse: the group's elements only); M += D;
                     Nesterov:   T += C D,  C' = C + lr mu s'
                     heavy-ball: C' = C + lr mu s,  T += C' D
@@ -138,7 +140,7 @@ class FlatOuter:
     def __init__(self, *, shapes: Mapping[str, tuple[int, ...]], t: torch.Tensor, m: torch.Tensor,
                  scale: float = 1.0, carry: float = 0.0, in_group: int = 0,
                  pending: list[tuple[torch.Tensor | None, int, torch.Tensor]] | None = None,
-                 lazy: bool | None = None) -> None:
+                 lazy: bool | None = None, applied: int | None = None, share: float = 0.0) -> None:
         self.shapes = {n: tuple(s) for n, s in shapes.items()}
         self.offsets: dict[str, int] = {}
         pos = 0
@@ -154,6 +156,9 @@ class FlatOuter:
         self.in_group = in_group
         # (global indices or None for a dense run, offset of a dense run, weighted values)
         self.pending: list[tuple[torch.Tensor | None, int, torch.Tensor]] = list(pending or [])
+        # the first `applied` pending deltas are in T already; the rest owe T -= share * (w g)
+        self.applied = len(self.pending) if applied is None else int(applied)
+        self.share = float(share)
 
     # -- conversions -------------------------------------------------------------------------
 
@@ -176,15 +181,28 @@ class FlatOuter:
                 in zip(self.shapes.items(), self.offsets.values())}
 
     def weights_flat(self) -> torch.Tensor:
-        """theta = T - C M (T itself, not a copy, while C = 0)."""
-        return self.t if self.carry == 0.0 else torch.sub(self.t, self.m, alpha=self.carry)
+        """theta = T - C M - share * (the deltas not yet in T) (T itself, not a copy, when that is all)."""
+        theta = self.t
+        if self.applied < len(self.pending):  # what flush() would make of T, in the same order
+            theta = theta.clone()
+            self._scatter(theta, [-self.share] * (len(self.pending) - self.applied), start=self.applied)
+        if self.carry != 0.0:
+            theta = theta.sub_(self.m, alpha=self.carry) if theta is not self.t else torch.sub(theta, self.m,
+                                                                                               alpha=self.carry)
+        return theta
+
+    def flush(self) -> None:
+        """Put the deferred T -= share * (w g) of the pending deltas into T (before writing T directly)."""
+        if self.applied < len(self.pending):
+            self._scatter(self.t, [-self.share] * (len(self.pending) - self.applied), start=self.applied)
+            self.applied = len(self.pending)
 
     def momentum_flat(self) -> torch.Tensor:
         return self.m if self.scale == 1.0 else self.m * self.scale
 
     def accum_flat(self) -> torch.Tensor:
         acc = torch.zeros(self.n, dtype=torch.float32)
-        self._scatter(acc, 1.0)
+        self._scatter(acc, [1.0] * len(self.pending))
         return acc
 
     def params(self) -> dict[str, torch.Tensor]:
@@ -205,6 +223,7 @@ class FlatOuter:
             if idx is not None:
                 tensors[f"pending/{i}/indices"] = idx.contiguous()
         meta = {"outer_form": "flat1", "outer_scale": repr(self.scale), "outer_carry": repr(self.carry),
+                "outer_applied": str(self.applied), "outer_share": repr(self.share),
                 "outer_layout": json.dumps([[n, list(s)] for n, s in self.shapes.items()]),
                 # per pending delta: the offset of a dense run, or null for a sparse one (its indices travel)
                 "outer_pending_dense": json.dumps([off if idx is None else None for idx, off, _ in self.pending])}
@@ -220,11 +239,14 @@ class FlatOuter:
             pending.append((None, off, vals) if off is not None else (tensors[f"pending/{i}/indices"], 0, vals))
         return cls(shapes=shapes, t=tensors["flat/t"].to(torch.float32), m=tensors["flat/m"].to(torch.float32),
                    scale=float(meta["outer_scale"]), carry=float(meta["outer_carry"]), in_group=in_group,
-                   pending=pending, lazy=lazy)
+                   pending=pending, lazy=lazy, applied=int(meta.get("outer_applied", len(pending))),
+                   share=float(meta.get("outer_share", "0.0")))
 
     # -- sparse reads and writes of the weights (exchanges) ------------------------------------
 
     def weights_at(self, idx: torch.Tensor) -> torch.Tensor:
+        """theta at global indices idx (flushes the deferred part of the pending deltas first)."""
+        self.flush()
         t = torch.index_select(self.t, 0, idx)
         return t if self.carry == 0.0 else t.sub_(torch.index_select(self.m, 0, idx), alpha=self.carry)
 
@@ -233,33 +255,45 @@ class FlatOuter:
     def apply(self, delta: FlatDelta, *, weight: float, cfg: OuterConfig) -> None:
         """apply_delta for a decoded FlatDelta (same arithmetic per element, momentum step lazily)."""
         share = cfg.lr / cfg.group
+        if self.applied < len(self.pending) and share != self.share:
+            self.flush()  # a config change mid-group: settle what is owed at the old share
+        self.share = share
+        now = not self.lazy  # the plain form applies its share at once, as apply_delta does
         if delta.values.size:
             idx = torch.from_numpy(delta.indices)
             vals = torch.from_numpy(np.asarray(delta.values, dtype=np.float32)) * weight
-            self.t.index_add_(0, idx, vals, alpha=-share)
+            if now:
+                self.t.index_add_(0, idx, vals, alpha=-share)
             self.pending.append((idx, 0, vals))
         for off, v in delta.dense:
             vals = torch.from_numpy(np.asarray(v, dtype=np.float32)) * weight
-            self.t[off:off + vals.numel()].sub_(vals, alpha=share)
+            if now:
+                self.t[off:off + vals.numel()].sub_(vals, alpha=share)
             self.pending.append((None, off, vals))
+        if now:
+            self.applied = len(self.pending)
         self.in_group += 1
         if self.in_group >= cfg.group:
             self._momentum_step(cfg)
 
-    def _scatter(self, target: torch.Tensor, alpha: float) -> None:
-        """target += alpha * (the pending deltas), delta after delta (sparse runs in one index_add_)."""
-        run: list[tuple[torch.Tensor, torch.Tensor]] = []
+    def _scatter(self, target: torch.Tensor, alphas: list[float], start: int = 0) -> None:
+        """target += alphas[i] * pending[start + i], delta after delta (sparse runs in one index_add_)."""
+        run: list[tuple[torch.Tensor, torch.Tensor, float]] = []
 
         def flush() -> None:
-            if len(run) == 1:
-                target.index_add_(0, run[0][0], run[0][1], alpha=alpha)
+            if len(run) == 1 or (run and all(a == run[0][2] for _, _, a in run)):
+                idx = run[0][0] if len(run) == 1 else torch.cat([i for i, _, _ in run])
+                vals = run[0][1] if len(run) == 1 else torch.cat([v for _, v, _ in run])
+                target.index_add_(0, idx, vals, alpha=run[0][2])
             elif run:
-                target.index_add_(0, torch.cat([i for i, _ in run]), torch.cat([v for _, v in run]), alpha=alpha)
+                target.index_add_(0, torch.cat([i for i, _, _ in run]), torch.cat([v * a for _, v, a in run]))
             run.clear()
 
-        for idx, off, vals in self.pending:
+        for (idx, off, vals), alpha in zip(self.pending[start:], alphas):
+            if alpha == 0.0:
+                continue
             if idx is not None:
-                run.append((idx, vals))
+                run.append((idx, vals, alpha))
             else:
                 flush()
                 target[off:off + vals.numel()].add_(vals, alpha=alpha)
@@ -267,6 +301,7 @@ class FlatOuter:
 
     def _dense_step(self, cfg: OuterConfig) -> None:
         """apply_delta's momentum step, tensor by tensor, on the plain form (s = 1, C = 0)."""
+        self.flush()
         acc = self.accum_flat()
         mu = cfg.momentum
         theta, m, a = self.views(self.t), self.views(self.m), self.views(acc)
@@ -277,7 +312,7 @@ class FlatOuter:
             else:
                 theta[name].sub_(m[name], alpha=cfg.lr * mu)
                 m[name].mul_(mu).add_(a[name], alpha=1.0 / cfg.group)
-        self.pending, self.in_group = [], 0
+        self.pending, self.applied, self.in_group = [], 0, 0
 
     def fold(self, *, rescale: bool = True) -> None:
         """T = theta, C = 0 (one dense pass over T and M); rescale: also M = m, s = 1 (the plain form)."""
@@ -303,9 +338,9 @@ class FlatOuter:
             if s_new < MIN_SCALE:  # no momentum to speak of (mu ~ 0): the plain dense step
                 self._dense_step(cfg)
                 return
-        c_t = self.carry if cfg.nesterov else c_new
-        self._scatter(self.m, 1.0 / (group * s_new))
-        if c_t:
-            self._scatter(self.t, c_t / (group * s_new))
+        c_t = (self.carry if cfg.nesterov else c_new) / (group * s_new)
+        self._scatter(self.m, [1.0 / (group * s_new)] * len(self.pending))
+        # T: C D for every pending delta, plus the deferred -share w g of those not yet in T
+        self._scatter(self.t, [c_t if i < self.applied else c_t - self.share for i in range(len(self.pending))])
         self.scale, self.carry = s_new, c_new
-        self.pending, self.in_group = [], 0
+        self.pending, self.applied, self.in_group = [], 0, 0

@@ -202,8 +202,9 @@ def test_exchange_on_the_scaled_form_and_its_exact_undo(tmp_path, lazy):
     sent = sparta.select(worker, p=0.3, seed=7, values="fp32", base_version=rt.version)
     expected = {n: t.clone() for n, t in centre.items()}
     want = sparta.mix_into_centre(expected, sent, alpha=cfg.sparta.alpha, values=cfg.sparta.values)
+    before = rt.centre_at(sent)  # (settles the weights' deferred share of the group in T first)
     t_before = rt.outer.t.clone()
-    before = rt.centre_at(sent)
+    assert all(torch.equal(t, centre[n]) for n, t in rt.state.params.items())  # which changes nothing
     got = rt.exchange(sent)
     for e, f in zip(got.entries, want.entries):
         assert (e.name, e.value_kind, e.seed) == (f.name, f.value_kind, f.seed)
@@ -212,3 +213,4 @@ def test_exchange_on_the_scaled_form_and_its_exact_undo(tmp_path, lazy):
         torch.testing.assert_close(t, expected[n], atol=1e-6, rtol=1e-6)
     rt.undo_exchange(sent, before)
     assert torch.equal(rt.outer.t, t_before)
+    assert all(torch.equal(t, centre[n]) for n, t in rt.state.params.items())

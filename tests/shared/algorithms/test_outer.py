@@ -338,3 +338,24 @@ def test_flat_outer_not_lazy_is_apply_delta_bit_for_bit(momentum, nesterov):
         plain.apply(flat(d), weight=w, cfg=cfg)
         assert (plain.scale, plain.carry) == (1.0, 0.0)
         assert_same_state(plain, ref, tol=0)
+
+
+def test_flat_outer_flush_mid_group_changes_nothing_but_where_the_share_sits():
+    """An exchange flushes the deferred share into T mid-group; the state it describes is the same."""
+    cfg = OuterConfig(lr=0.8, momentum=0.9, group=4)
+    ref = OuterState.fresh(params(0))
+    lazy = FlatOuter.from_state(ref, lazy=True)
+    rng = np.random.default_rng(7)
+    for i in range(23):
+        d = random_delta(rng, i)
+        apply_delta(ref, d, weight=1.0, cfg=cfg)
+        lazy.apply(flat(d), weight=1.0, cfg=cfg)
+        if i % 3 == 1:
+            before = lazy.params()
+            before = {n: t.clone() for n, t in before.items()}
+            owed = lazy.applied < len(lazy.pending)
+            lazy.flush()
+            assert lazy.applied == len(lazy.pending) and (owed or i % 4 == 3)
+            for n, t in lazy.params().items():
+                torch.testing.assert_close(t, before[n], atol=1e-6, rtol=1e-6)
+        assert_same_state(lazy, ref)
