@@ -628,7 +628,10 @@ class Coordinator:
                     raise Conflict(f"lease {lease_id} already delivered a different delta")
                 return protocol.DeltaAccepted(lease_id=lease_id, delta_id=prior.id,
                                               will_merge_into=prior.seq, duplicate=True)
-            run = s.get(Run, lease.run_id, with_for_update=True)
+            # FOR NO KEY UPDATE (PostgreSQL): serialises the sequence numbers without blocking the
+            # foreign-key checks of concurrent lease INSERTs on this run (FOR UPDATE would, and a
+            # lease request of the same worker holding its row would then deadlock with this upload)
+            run = s.get(Run, lease.run_id, with_for_update={"key_share": True})
             seq = run.next_seq
             # Bytes first, durably; only then the row that makes the delta real.
             self.storage.write(self.storage.delta(run.id, seq), body)
