@@ -9,9 +9,13 @@ One process, one run, so every ratio compares numbers taken side by side on the 
     (d) outer.apply_delta without the momentum step (group too large to reach it)
     (e) the momentum step (a dense pass over weights, momentum and accumulator), amortised over
         a group of 1, 4 (the default), 8 and 64 deltas
+    (b2)-(d2) the same pieces on the coordinator's flat path: codec.decode_flat, robust's
+        flat_delta_stats + decide, and FlatOuter.apply with the run's own group and momentum (its
+        lazy momentum steps and folds included, amortised over the deltas)
     (f) the coordinator's own path: coordinator/runtime.py RunRuntime.merge over the deltas
         stored in a data dir as the coordinator stores them, with write_snapshot=False (the replay
-        path) and, for a few deltas, write_snapshot=True (the live path: a snapshot per merge)
+        path) and, for a few deltas, write_snapshot=True (the live path: a snapshot per merge);
+        RunRuntime.merge_batch over the same deltas in batches, with and without decoding ahead
     (g) coordinator/merger.py Merger.step with its database transaction on SQLite (a small model
         by default), to show what each merge's bookkeeping costs
 
@@ -40,7 +44,7 @@ import torch
 from shared import codec
 from shared.algorithms import robust
 from shared.algorithms.compress import compress, k_for, quantised, tensor_seed
-from shared.algorithms.outer import OuterState, _momentum_step, apply_delta
+from shared.algorithms.outer import FlatOuter, OuterState, _momentum_step, apply_delta
 from shared.codec import Delta, Entry, IndexKind, ValueKind, seeded_indices
 from shared.codec.envelope import HEADER, _decompress
 from shared.codec.indices import INDEX_CODECS
@@ -60,6 +64,7 @@ GOAL_MERGES_PER_S = 500.0
 GOAL_X_BOUND = 3.0
 GROUPS = (1, 4, 8, 64)
 NO_MOMENTUM = OuterConfig(group=100_000)  # apply_delta never reaches its momentum step
+BATCH = 16  # deltas per RunRuntime.merge_batch call
 DELTA_SCALE = 1e-2  # std of the synthetic pseudo-gradient: far inside robust merging's bounds
 
 
@@ -334,11 +339,20 @@ def _run(mcfg: ModelConfig, *, model_name: str, fraction: float, n: int, out: Pa
 
     rows = [s.row(bound_ms) for s in stages]
     replay = {r["index"]: r for r in rows if r["stage"].startswith("(f) RunRuntime.merge, replay")}
+    batch: dict[str, dict] = {}
+    for r in rows:  # the faster of the two merge_batch rows per index kind
+        if r["stage"].startswith("(f) RunRuntime.merge_batch") and (
+                r["index"] not in batch or r["ms_per_delta"] < batch[r["index"]]["ms_per_delta"]):
+            batch[r["index"]] = r
     live = next((r for r in rows if r["stage"].startswith("(f) RunRuntime.merge, live")), None)
     goal = {"target_merges_per_s": GOAL_MERGES_PER_S, "target_x_bound": GOAL_X_BOUND, "bound_ms": _sig(bound_ms),
             "per_index": {kind: {"merges_per_s": r["merges_per_s"], "x_bound": r["x_bound"],
                                  "met": bool(r["merges_per_s"] >= GOAL_MERGES_PER_S and r["x_bound"] <= GOAL_X_BOUND)}
                           for kind, r in replay.items()},
+            "batch_per_index": {kind: {"stage": r["stage"], "merges_per_s": r["merges_per_s"], "x_bound": r["x_bound"],
+                                       "met": bool(r["merges_per_s"] >= GOAL_MERGES_PER_S
+                                                   and r["x_bound"] <= GOAL_X_BOUND)}
+                                for kind, r in batch.items()},
             "live_merges_per_s": live["merges_per_s"] if live else None}
     goal["met"] = bool(goal["per_index"]) and all(v["met"] for v in goal["per_index"].values())
     meta = {"model": model_name, "model_config": mcfg.to_dict(), "n_params": n_params, "fraction": fraction,
@@ -393,6 +407,8 @@ def in_memory_stages(params: dict[str, torch.Tensor], schema: dict[str, tuple[in
                             note="two index_add_ per tensor (weights, accumulator)"))
         meta_kinds[kind] = {"delta_bytes_mean": int(statistics.fmean(len(b) for b in kind_blobs)),
                             "entries": len(dec[0].entries), "k": delta_k(dec[0])}
+        dec.clear()
+        stages += flat_stages(state, schema, kind, kind_blobs, run_cfg=run_cfg, adam=adam, rcfg=rcfg)
     probe.burst(burst)
     # (e) the momentum step: dense over weights, momentum and accumulator
     t_mom = time_calls(lambda: _momentum_step(state, OuterConfig(group=4)), momentum_reps)
@@ -401,6 +417,32 @@ def in_memory_stages(params: dict[str, torch.Tensor], schema: dict[str, tuple[in
         stages.append(Stage(f"(e) momentum step (dense), amortised over group {g}", "-", t_mom, per=g,
                             note=f"{step_ms:.3g} ms per step" + (", the default group" if g == 4 else "")))
     return stages
+
+
+def flat_stages(state: OuterState, schema: dict[str, tuple[int, ...]], kind: str, kind_blobs: list[bytes], *,
+                run_cfg: RunConfig, adam: float, rcfg: RobustConfig) -> list[Stage]:
+    """(b2)-(d2): the coordinator's flat path, piece by piece, on the same deltas and momentum."""
+    flat = FlatOuter.from_state(state, schema)  # a copy: the weights and the dense momentum as they stand
+    fdec: list[codec.FlatDelta] = []
+    t_dec = time_each(lambda b: fdec.append(codec.decode_flat(b, schema=schema, offsets=flat.offsets)), kind_blobs)
+    history = [robust.flat_delta_stats(d, None)[0] for d in fdec[: rcfg.window]]
+    verdicts: list[robust.Verdict] = []
+
+    def screen(d: codec.FlatDelta) -> None:
+        norm, cosine = robust.flat_delta_stats(d, flat.m)
+        verdicts.append(robust.decide(norm, cosine, history=history, cfg=rcfg, bound=adam))
+
+    t_screen = time_each(screen, fdec)
+    cfg = run_cfg.outer
+    t_apply = time_each(lambda d: flat.apply(d, weight=1.0, cfg=cfg), fdec)
+    out = [Stage("(b2) codec.decode_flat (the coordinator's path)", kind, t_dec,
+                 note="every tensor's indices in one pass, global indices"),
+           Stage("(c2) robust.flat_delta_stats + decide", kind, t_screen,
+                 note=f"one gather of the momentum; {sum(v.merged for v in verdicts)}/{len(verdicts)} pass"),
+           Stage(f"(d2) FlatOuter.apply, group {cfg.group}, momentum {cfg.momentum:g}", kind, t_apply,
+                 note=f"lazy={flat.lazy}: momentum steps and folds included (max {1000 * max(t_apply):.3g} ms)")]
+    fdec.clear()
+    return out
 
 
 def runtime_stages(params: dict[str, torch.Tensor], blobs: dict[str, list[bytes]], *, run_cfg: RunConfig,
@@ -415,8 +457,9 @@ def runtime_stages(params: dict[str, torch.Tensor], blobs: dict[str, list[bytes]
         storage = Storage(Path(tmp) / "data")
         rt = RunRuntime(run_id=1, config=run_cfg, storage=storage, state=OuterState.fresh(params), version=0)
         todo = [(kind, blob) for kind in kinds for blob in blobs[kind]]
+        todo += [(f"batch-{kind}-{ahead}", blob) for kind in kinds for ahead in (True, False) for blob in blobs[kind]]
         todo += [("live", blob) for blob in blobs[kinds[0]][:snapshot_merges]]
-        seqs: dict[str, list[int]] = {kind: [] for kind in [*kinds, "live"]}
+        seqs: dict[str, list[int]] = {kind: [] for kind, _ in todo}
         store_t: list[float] = []
         for seq, (kind, blob) in enumerate(todo, start=1):
             path = storage.delta(1, seq)
@@ -432,6 +475,19 @@ def runtime_stages(params: dict[str, torch.Tensor], blobs: dict[str, list[bytes]
                                 note=f"read file + decode + screen + apply + momentum; {merged}/{len(outcomes)} "
                                      "merged"))
             meta_kinds[kind]["runtime_merged"] = merged
+        for kind in kinds:
+            for ahead in (True, False):
+                todo_seqs = seqs[f"batch-{kind}-{ahead}"]
+                chunks = [todo_seqs[i:i + BATCH] for i in range(0, len(todo_seqs), BATCH)]
+                outcomes = []
+                t_b = time_each(lambda c: outcomes.extend(rt.merge_batch([(s, s - 1) for s in c], write_snapshot=False,
+                                                                         prefetch=ahead)), chunks)
+                per = [t / len(c) for t, c in zip(t_b, chunks) for _ in c]  # per delta, weighted by batch size
+                merged = sum(o.merged for o in outcomes)
+                stages.append(Stage(f"(f) RunRuntime.merge_batch, replay, {BATCH} per call, "
+                                    + ("decoding ahead on a thread" if ahead else "no helper thread"), kind, per,
+                                    note=f"{merged}/{len(outcomes)} merged"))
+                meta_kinds[kind][f"batch_merged_{'ahead' if ahead else 'serial'}"] = merged
         if seqs["live"]:
             snaps, writes = _Timed(rt, "write_snapshot"), _Timed(storage, "write")
             t_live = time_each(lambda s: rt.merge(seq=s, base_version=s - 1, write_snapshot=True), seqs["live"])
@@ -443,7 +499,7 @@ def runtime_stages(params: dict[str, torch.Tensor], blobs: dict[str, list[bytes]
             stages.append(Stage("(f) of which snapshot encode (safetensors + zstd)", kind0,
                                 [s - w for s, w in zip(snap_t, write_t)]))
             stages.append(Stage("(f) of which snapshot write (atomic, fsync)", kind0, write_t))
-            stages += snapshot_encode_parts(rt.state.params, kind=kind0)
+            stages += snapshot_encode_parts(rt.outer.params(), kind=kind0)
     return stages, store_t
 
 
@@ -505,6 +561,10 @@ def markdown(result: dict) -> str:
         lines.append(f"- Goal (>= {goal['target_merges_per_s']:.0f} merges/s and within {goal['target_x_bound']:g}x "
                      f"the bound), replay path, {kind} indices: **{'met' if v['met'] else 'not met'}**: "
                      f"{_fmt(v['merges_per_s'])} merges/s, {_fmt(v['x_bound'])}x the bound.")
+    for kind, v in goal.get("batch_per_index", {}).items():
+        lines.append(f"- Goal, batched replay ({v['stage'].removeprefix('(f) ')}), {kind} indices: "
+                     f"**{'met' if v['met'] else 'not met'}**: {_fmt(v['merges_per_s'])} merges/s, "
+                     f"{_fmt(v['x_bound'])}x the bound.")
     if goal["live_merges_per_s"] is not None:
         lines.append(f"- Live path (a snapshot per merge): {_fmt(goal['live_merges_per_s'])} merges/s.")
     return "\n".join(lines)

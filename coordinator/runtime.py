@@ -169,11 +169,12 @@ class RunRuntime:
         out = self._merge_one(seq, base_version, self._read_decode)
         return self._finish(out, write_snapshot)
 
-    def merge_batch(self, items: Sequence[tuple[int, int]], *, write_snapshot: bool = True) -> list[MergeOutcome]:
+    def merge_batch(self, items: Sequence[tuple[int, int]], *, write_snapshot: bool = True,
+                    prefetch: bool = True) -> list[MergeOutcome]:
         """Process several stored deltas in order: items = [(seq, base_version), ...], seqs consecutive
         from version + 1. The same outcomes as calling merge() on each in turn (the same decisions and
-        arithmetic), but the next deltas are read and decoded on a helper thread while this one is
-        merged, and only the last version gets a snapshot (write_snapshot=True) -- the others carry
+        arithmetic), but (prefetch) the next deltas are read and decoded on a helper thread while this
+        one is merged, and only the last version gets a snapshot (write_snapshot=True) -- the others carry
         snapshot_sha256 "" and size 0, as merge(write_snapshot=False) does. The caller holds `lock`."""
         items = list(items)
         for i, (seq, _) in enumerate(items):
@@ -182,6 +183,10 @@ class RunRuntime:
         if not items:
             return []
         outcomes: list[MergeOutcome] = []
+        if not prefetch:
+            outcomes = [self._merge_one(seq, base, self._read_decode) for seq, base in items]
+            outcomes[-1] = self._finish(outcomes[-1], write_snapshot)
+            return outcomes
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="idletrain-decode") as pool:
             futures = {seq: pool.submit(self._read_decode, seq) for seq, _ in items}
             for seq, base in items:

@@ -33,7 +33,9 @@ def test_every_stage_is_measured_and_positive(result):
     stages = [r["stage"] for r in res["rows"]]
     for prefix in ("(a) bound", "reference: numpy", "(b) codec.decode", "(b) of which zstd", "(b) of which indices",
                    "(b) of which int8", "(c) robust.screen", "(d) outer.apply_delta", "(e) momentum step",
-                   "(f) RunRuntime.merge, replay", "(f) RunRuntime.merge, live", "(f) of which snapshot encode",
+                   "(b2) codec.decode_flat", "(c2) robust.flat_delta_stats", "(d2) FlatOuter.apply",
+                   "(f) RunRuntime.merge, replay", "(f) RunRuntime.merge_batch, replay",
+                   "(f) RunRuntime.merge, live", "(f) of which snapshot encode",
                    "(f) of which snapshot write", "(g) Merger.step", "(g) of which DB"):
         assert any(s.startswith(prefix) for s in stages), prefix
     for kind in INDEX_KINDS:  # the per-delta stages run for both index kinds
@@ -59,6 +61,8 @@ def test_meta_goal_and_outputs(result):
     assert meta["torch_threads"] == 1 and len(meta["bound_burst_medians_ms"]) == 4
     for kind in INDEX_KINDS:
         assert meta["per_index"][kind]["runtime_merged"] == 5  # every real merge went through
+        assert meta["per_index"][kind]["batch_merged_ahead"] == meta["per_index"][kind]["batch_merged_serial"] == 5
+        assert isinstance(goal["batch_per_index"][kind]["met"], bool)
         assert meta["per_index"][kind]["delta_bytes_mean"] > 0
         v = goal["per_index"][kind]
         assert v["merges_per_s"] > 0 and v["x_bound"] > 0 and isinstance(v["met"], bool)
