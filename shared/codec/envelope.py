@@ -387,13 +387,11 @@ def _flat_values(sparse: list[tuple]) -> np.ndarray:
             raise DeltaMismatchError("quantisation scales must not be negative")
         q = np.frombuffer(b"".join(bytes(s[4 * nb:]) for (s, _), nb in zip(sections, nblocks)), dtype=np.int8)
         ks = np.asarray([k for _, k in sections], dtype=np.int64)
-        # scale of each value: its entry's first scale + its block within the entry
-        first_scale = np.concatenate(([0], np.cumsum(nblocks)[:-1]))
-        first_value = np.concatenate(([0], np.cumsum(ks)[:-1]))
-        entry = np.repeat(np.arange(ks.size), ks)
-        block = (np.arange(q.size, dtype=np.int64) - first_value[entry]) // BLOCK + first_scale[entry]
+        # values per scale: BLOCK, but an entry's last block holds what is left of its k
+        per_scale = np.full(scales.size, BLOCK, dtype=np.int64)
+        per_scale[np.cumsum(nblocks) - 1] = ks - BLOCK * (np.asarray(nblocks, dtype=np.int64) - 1)
         with np.errstate(over="ignore"):
-            deq = q.astype(np.float32) * scales[block]
+            deq = q.astype(np.float32) * np.repeat(scales, per_scale)
         if not np.all(np.isfinite(deq)):
             raise DeltaMismatchError("dequantised values contain NaN or Inf")
     pieces, at = [], 0

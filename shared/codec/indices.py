@@ -96,7 +96,9 @@ def seeded_indices_many(seeds, numels, ks, offsets=None) -> np.ndarray:
         # Work in a private layout (cumulative numels) so the ranges are disjoint and ascending.
         f_numel, f_k = numels[fi], ks[fi]
         base = np.concatenate(([0], np.cumsum(f_numel)[:-1]))
-        draws = f_k + 16 + f_k // 8
+        # Draws to make: k plus a margin for the repeats expected among them (~k^2 / 2 numel); a tensor
+        # that gets fewer than k distinct values falls back to seeded_indices, which draws more.
+        draws = f_k + 16 + (f_k * (f_k + f_k // 8)) // f_numel
         total = int(draws.sum())
         pos_bits = max(1, total.bit_length())
         span = int(base[-1] + f_numel[-1])
@@ -106,17 +108,24 @@ def seeded_indices_many(seeds, numels, ks, offsets=None) -> np.ndarray:
         else:
             starts = np.concatenate(([0], np.cumsum(draws)[:-1]))
             seg = np.repeat(np.arange(fi.size), draws)
-            pos = np.arange(total, dtype=np.int64)
+            pos = np.arange(total, dtype=np.uint64)
             with np.errstate(over="ignore"):
-                j = (pos - starts[seg] + 1).astype(np.uint64)
-                z = np.asarray([seeds[i] for i in fi], dtype=np.uint64)[seg] + j * _GAMMA
-                z = (z ^ (z >> np.uint64(30))) * _M1
-                z = (z ^ (z >> np.uint64(27))) * _M2
-                z = z ^ (z >> np.uint64(31))
-                cand = z % f_numel.astype(np.uint64)[seg] + base.astype(np.uint64)[seg]
-                keys = np.sort((cand << np.uint64(pos_bits)) | pos.astype(np.uint64))  # by value, then draw
-            val = (keys >> np.uint64(pos_bits)).astype(np.int64)
-            p_sorted = (keys & np.uint64((1 << pos_bits) - 1)).astype(np.int64)
+                z = pos - np.repeat((starts - 1).astype(np.uint64), draws)  # j = 1, 2, ... per tensor
+                z *= _GAMMA
+                z += np.repeat(np.asarray([seeds[i] for i in fi], dtype=np.uint64), draws)
+                z ^= z >> np.uint64(30)
+                z *= _M1
+                z ^= z >> np.uint64(27)
+                z *= _M2
+                z ^= z >> np.uint64(31)
+                z %= np.repeat(f_numel.astype(np.uint64), draws)
+                z += np.repeat(base.astype(np.uint64), draws)
+                z <<= np.uint64(pos_bits)
+                z |= pos
+                z.sort()  # by value, then by draw position
+            keys = z.view(np.int64)
+            val = keys >> np.int64(pos_bits)
+            p_sorted = keys & np.int64((1 << pos_bits) - 1)
             first = np.ones(total, dtype=bool)
             first[1:] = val[1:] != val[:-1]  # ranges are disjoint: repeats are within one tensor
             distinct = np.ones(total, dtype=bool)
