@@ -12,14 +12,17 @@ coordinator that is down or restarting is waited for, with backoff and jitter, a
 between rounds; what was trained meanwhile waits on disk.
 
 Overlap (settings.overlap, on by default): a round's delta is uploaded on a background thread
-(one upload at a time: a round that ends while the previous upload still runs waits for it) while
-the worker saves its state and moves on. The thread only sends and forgets the file; the loop
-settles its answer between rounds, on the training thread: an acknowledgement counts the round, a
-refusal puts the delta's content back into the trainer's residual. A coordinator gives up every
-earlier lease of a worker that asks for a new one, the lease whose delta is still uploading
-included, so the next lease is asked for only once the upload was answered, unless the coordinator
-keeps such a lease (`lease_ahead`: the lease request names it, and the next round trains while the
-upload runs).
+(one upload at a time: a round that ends while the previous upload still runs waits for it) and
+the trainer's end-of-round state is written on another, while the worker moves on. The upload
+thread only sends and forgets the file; the loop settles its answer between rounds, on the
+training thread: an acknowledgement counts the round, a refusal puts the delta's content back into
+the trainer's residual. Asking for a lease gives up the worker's earlier leases except the one the
+request names (`?keep=`); with a coordinator that says so in /healthz (`lease_ahead`), the next
+lease, its model update and its shard are fetched on a background thread near the end of a round
+(diloco), keeping the lease still training, so the next round starts at once while the upload runs.
+Without it, the next lease is asked for once the upload was answered. Either way a round's base
+version cannot include the worker's own delta still uploading: leasing ahead, every delta is one
+version staler than in sequence.
 
 Manners: before each round and between local steps the governor (worker/governor.py) asks the
 policy (worker/policy.py) whether to train now: `idletrain worker pause`, the daily transfer cap,
@@ -31,11 +34,13 @@ training may go on (policy.hold_limit_s says why). The status file and the displ
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
 import signal
 import threading
+import time
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -156,6 +161,18 @@ class _Upload:
             self.done.set()
 
 
+@dataclasses.dataclass
+class _Prefetch:
+    """The next lease, its base model and its shard, fetched on a background thread near the end of
+    the round before (lease_ahead): `lease` is None when there was no work or the fetch failed."""
+
+    done: threading.Event
+    lease: protocol.Lease | None = None
+    base: dict[str, torch.Tensor] | None = None
+    tokens: torch.Tensor | None = None
+    seconds: float = 0.0
+
+
 LEASE_LOST = (404, 409, 410)  # the lease is gone, delivered otherwise, or too stale: take a new one
 # A delta saved before a restart is also dropped on answers that will never change for those bytes.
 REDELIVERY_REFUSED = (400, 403, 404, 409, 410, 413, 422)
@@ -191,6 +208,9 @@ class Worker:
         # Ask for the next lease while a delta still uploads: only of a coordinator that keeps that
         # lease (None: as /healthz says, `keeps_delivering_lease`; the coordinator does not say so today).
         self.lease_ahead: bool | None = None
+        self._prefetch: _Prefetch | None = None  # the next lease, fetched during the end of a round
+        self._prefetch_s = 1.0  # how long the last prefetch took: when to start the next one
+        self._saver: threading.Thread | None = None  # the end-of-round state on its way to disk (overlap)
         # manners, progress, the control channel
         rules = settings.rules()
         self.transfer = DailyTransfer(settings.state_dir / "transfer.json", cap_bytes=rules.daily_transfer_bytes)
@@ -323,14 +343,33 @@ class Worker:
     # -- local state ----------------------------------------------------------------------------
 
     def _save(self, state: TrainerState) -> None:
+        self._join_saver()  # in order: an earlier state written in the background goes first
+        self._write(state)
+
+    def _write(self, state: TrainerState) -> None:
         try:
             self.store.save(state)
         except OSError as exc:  # a full disk costs the resume, not the round
             log.warning("cannot save the local training state to %s (%s); going on without", self.store.dir, exc)
 
     def _save_trainer(self) -> None:
-        if self.trainer.has_state():
-            self._save(self.trainer.export_state())
+        """The trainer's state between rounds. With overlap it is written on a background thread (the
+        copy is taken here, so the next round's training does not change it); every later save and
+        every read of the state on disk waits for it first."""
+        if not self.trainer.has_state():
+            return
+        state = self.trainer.export_state()
+        if not self.settings.overlap:
+            self._save(state)
+            return
+        self._join_saver()
+        self._saver = threading.Thread(target=self._write, args=(state,), name="idletrain-save", daemon=True)
+        self._saver.start()
+
+    def _join_saver(self) -> None:
+        saver, self._saver = self._saver, None
+        if saver is not None:
+            saver.join()
 
     def _save_unsent(self, lease: protocol.Lease, body: bytes) -> None:
         try:
@@ -377,6 +416,7 @@ class Worker:
         """Before asking for a lease (which gives up the previous one): settle the upload in flight,
         deliver the deltas saved before a restart or an outage, then finish the round that was
         interrupted."""
+        self._join_saver()
         saved = self.store.load()
         rnd = saved.round if saved is not None else None
         if rnd is not None:
@@ -431,6 +471,7 @@ class Worker:
         the trainer's state."""
         try:
             self.trainer.undeliverable_body(body)
+            self._join_saver()
             saved = self.store.load()
             if saved is None or saved.round is None:
                 self._save_trainer()
@@ -490,6 +531,64 @@ class Worker:
     def _may_lease_ahead(self) -> bool:
         return bool(self.lease_ahead)
 
+    # -- the next lease, fetched during the end of a round ----------------------------------------
+
+    def _step_hook(self, lease: protocol.Lease):
+        """The trainer's on_step: progress, and (lease_ahead, diloco) the next lease's prefetch once
+        the round is about as many steps from its end as the last prefetch took, plus one."""
+        def on_step(step: int, loss: float) -> None:
+            self.progress.on_step(step, loss)
+            if self._prefetch is None and self._should_prefetch(lease, step):
+                self._start_prefetch(lease)
+
+        return on_step
+
+    def _should_prefetch(self, lease: protocol.Lease, step: int) -> bool:
+        s = self.settings
+        if not (s.overlap and self._may_lease_ahead()) or lease.algorithm != "diloco" or self.stop.event.is_set():
+            return False
+        if self._inflight is not None and not self._inflight.done.is_set():
+            return False  # asking now would give up the lease whose delta is still uploading
+        if s.max_rounds is not None and self.rounds + (self._inflight is not None) + 1 >= s.max_rounds:
+            return False  # this round is the last
+        rate = self.progress.steps_per_s()
+        left = lease.inner.steps - step
+        return rate is not None and left >= 1 and left <= self._prefetch_s * rate + 1
+
+    def _start_prefetch(self, current: protocol.Lease) -> None:
+        """Lease (keeping `current`, still training), base model and shard on a background thread. The
+        thread touches the client, the shard cache and the held snapshot (which only it changes while
+        the round trains); the training thread takes the result between rounds."""
+        pre = _Prefetch(done=threading.Event())
+
+        def fetch() -> None:
+            t0 = time.perf_counter()
+            try:
+                lease, _ = self.client.lease(self.settings.run, keep=current.lease_id)
+                if lease is not None:
+                    self._check_model(lease)
+                    pre.base = self._params(lease) if self.trainer.needs_snapshot(lease) else None
+                    pre.tokens = self._tokens(lease)
+                    pre.lease = lease
+            except Exception as exc:  # noqa: BLE001 -- the round end asks again, the usual way
+                log.info("fetching the next lease ahead failed (%s); asking after the round", _why(exc))
+                pre.lease = None
+            finally:
+                pre.seconds = time.perf_counter() - t0
+                pre.done.set()
+
+        self._prefetch = pre
+        threading.Thread(target=fetch, name="idletrain-prefetch", daemon=True).start()
+
+    def _take_prefetch(self) -> _Prefetch | None:
+        """The prefetched lease, once fetched (waiting for it is not compute); None if there is none."""
+        pre, self._prefetch = self._prefetch, None
+        if pre is None:
+            return None
+        pre.done.wait()
+        self._prefetch_s = pre.seconds
+        return pre if pre.lease is not None else None
+
     def _check_model(self, lease: protocol.Lease) -> None:
         """The coordinator is untrusted too: refuse a model this machine was not set up to hold."""
         try:
@@ -500,16 +599,20 @@ class Worker:
             raise RuntimeError(f"run {lease.run!r} trains a model of {n:,} parameters, above this worker's limit of "
                                f"{self.settings.max_params:,} (--max-params)")
 
-    def _round(self, lease: protocol.Lease, resume: RoundState | None = None) -> None:
+    def _round(self, lease: protocol.Lease, resume: RoundState | None = None,
+               fetched: _Prefetch | None = None) -> None:
         """Train one lease (or the rest of it), save, deliver (settings.overlap: start delivering it in the
         background, once the previous delivery is answered)."""
         self._check_model(lease)
         self.progress.set_phase("downloading")
         try:
             base = None
-            if resume is None and self.trainer.needs_snapshot(lease):
-                base = self._params(lease)
-            tokens = self._tokens(lease)
+            if fetched is not None:  # fetched during the end of the round before
+                base, tokens = fetched.base, fetched.tokens
+            else:
+                if resume is None and self.trainer.needs_snapshot(lease):
+                    base = self._params(lease)
+                tokens = self._tokens(lease)
         except CoordinatorError as exc:
             if exc.status not in LEASE_LOST:
                 raise
@@ -527,7 +630,7 @@ class Worker:
                 result = self.trainer.train_round(
                     lease, base, tokens, exchange=self._exchange_for(lease.lease_id), resume=resume,
                     checkpoint=self._save, checkpoint_every=self.settings.checkpoint_every_steps,
-                    on_step=self.progress.on_step,
+                    on_step=self._step_hook(lease),
                     gate=lambda step, save: self.governor.hold(lease, step, save, self.stop.event))
         except RoundSuspended as exc:
             log.info("lease %d: round set aside at step %d/%d (saved; it resumes when training may go on)",
@@ -579,6 +682,7 @@ class Worker:
             try:
                 return self._run()
             finally:
+                self._join_saver()
                 self.progress.set_phase("stopped")
                 self.governor.stop()
                 self.display.stop()
@@ -626,7 +730,10 @@ class Worker:
                     self._recover()
                     recover = False
                 else:
-                    if self._inflight is not None:  # the coordinator keeps the lease still uploading
+                    prefetched = self._take_prefetch()
+                    if prefetched is not None:
+                        lease, wait_s = prefetched.lease, 0.0
+                    elif self._inflight is not None:  # the coordinator keeps the lease still uploading
                         lease, wait_s = self.client.lease(s.run, keep=self._inflight.lease.lease_id)
                     else:
                         lease, wait_s = self.client.lease(s.run)
@@ -635,7 +742,7 @@ class Worker:
                                                            f"{wait_s:.0f} s")
                         self.stop.event.wait(wait_s)
                         continue
-                    self._round(lease)
+                    self._round(lease, fetched=prefetched)
                     if not self.suspended:  # what a whole round moved: the daily cap's next estimate
                         self.governor.next_round_bytes = self._moved_bytes - moved_before
                 failures = 0
@@ -652,6 +759,7 @@ class Worker:
                 self.suspended, recover = False, True
                 continue
         self._finish_upload()
+        self._join_saver()
         self._log_utilisation()
         return self.rounds
 

@@ -33,8 +33,9 @@ class Utilisation:
     compute_s counts the time spent in the trainer's rounds (the local steps, the sparta exchanges'
     bookkeeping and the delta's compression; time paused at the gate left out); everything else (the
     lease, the downloads, the uploads the training did not hide, saving state) is not compute.
-    upload_wait_s is the part of that spent waiting for an earlier upload to finish. Written by the
-    training thread, the acknowledgements by whichever thread delivered them; read by anyone."""
+    upload_wait_s is the part of that spent waiting for an earlier upload to finish; phase_s is the
+    time in each of Progress's phases since the first lease request (where the rest goes). Written by
+    the training thread, the acknowledgements by whichever thread delivered them; read by anyone."""
 
     def __init__(self, *, clock: Callable[[], float] = time.perf_counter) -> None:
         self.clock = clock
@@ -43,10 +44,20 @@ class Utilisation:
         self.compute_s = 0.0
         self.upload_wait_s = 0.0
         self.rounds = 0  # acknowledged
+        self.phase_s: dict[str, float] = {}
+        self._phase: tuple[str, float] | None = None
 
     def start(self) -> None:
         if self.started_at is None:
             self.started_at = self.clock()
+
+    def enter(self, phase: str) -> None:
+        """The training thread moves to `phase` (counted once start() was called)."""
+        now = self.clock()
+        if self._phase is not None:
+            name, since = self._phase
+            self.phase_s[name] = self.phase_s.get(name, 0.0) + now - since
+        self._phase = (phase, now) if self.started_at is not None else None
 
     def add_compute(self, seconds: float) -> None:
         self.compute_s += max(0.0, seconds)
@@ -69,7 +80,7 @@ class Utilisation:
 
     def as_dict(self) -> dict:
         return {"compute_s": self.compute_s, "wall_s": self.wall_s(), "upload_wait_s": self.upload_wait_s,
-                "rounds": self.rounds, "utilisation": self.fraction()}
+                "rounds": self.rounds, "utilisation": self.fraction(), "phase_s": dict(self.phase_s)}
 
 
 class Progress:
@@ -88,6 +99,7 @@ class Progress:
 
     def set_phase(self, phase: str, reason: str = "") -> None:
         self.phase, self.wait_reason = phase, reason
+        self.utilisation.enter(phase)
 
     def start_round(self, lease: protocol.Lease, *, context: int, step: int = 0) -> None:
         self.lease, self.step, self.steps, self.loss = lease, step, lease.inner.steps, None
@@ -96,6 +108,7 @@ class Progress:
         self._marks.clear()
         self._marks.append((self.clock(), step))
         self.phase = "training"
+        self.utilisation.enter("training")
 
     def on_step(self, step: int, loss: float) -> None:
         self.step, self.loss = step, loss

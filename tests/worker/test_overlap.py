@@ -100,9 +100,11 @@ class FakeClient:
             model=MODEL.to_dict(), deadline=datetime(2030, 1, 1, tzinfo=UTC)), 0.0
 
     def snapshot(self, run: str, version) -> tuple[bytes, int]:
+        self.c.note("snapshot", version)
         return self.c.snapshot, 0
 
     def shard(self, run: str, index: int, *, expected_sha256: str) -> bytes:
+        self.c.note("shard", index)
         return self.c.raw
 
     def renew(self, lease_id: int):
@@ -162,10 +164,10 @@ def test_the_upload_runs_while_the_next_round_trains(tmp_path):
     w.progress.on_step = on_step
     assert w.run() == 2
     ev = coord.events
-    # lease 1's upload left on the upload thread; lease 2 was asked for while it was in flight (keeping
-    # lease 1) and trained all its steps before that upload was answered
+    # lease 1's upload left on the upload thread; lease 2 was asked for keeping lease 1, and trained all
+    # its steps before that upload was answered
     assert ("upload", 1, False) in ev and ("lease", 2, 1) in ev
-    assert coord.index("upload", 1, False) < coord.index("lease", 2, 1) < coord.index("step", 2, 1)
+    assert coord.index("upload", 1, False) < coord.index("step", 2, 1)
     assert coord.index("step", 2, STEPS) < coord.index("answered", 1)
     assert coord.stored.keys() == {1, 2} and coord.arrivals == [1, 2]
     assert StateStore(tmp_path / "worker", URL, "t").load_all_unsent() == []
@@ -192,7 +194,7 @@ def test_no_overlap_uploads_on_the_training_thread_before_the_next_lease(tmp_pat
     real_start = w._start_upload
     w._start_upload = lambda *a: (_ for _ in ()).throw(AssertionError("no background upload")) or real_start(*a)
     assert w.run() == 2
-    assert [e for e in coord.events if e[0] != "step"] == [
+    assert [e for e in coord.events if e[0] in ("lease", "upload", "answered")] == [
         ("lease", 1, None), ("upload", 1, True), ("answered", 1),
         ("lease", 2, None), ("upload", 2, True), ("answered", 2)]
 
@@ -253,6 +255,7 @@ def test_a_refused_delta_goes_back_to_the_residual_while_the_next_round_has_trai
         seen["body"] = body
         real_take_back(lease, body)
         seen["after"] = {n: t.clone() for n, t in w.trainer.residual.items()}
+        w._join_saver()  # the state goes to disk in the background: wait for it, as any later read does
         seen["disk"] = StateStore(tmp_path / "worker", URL, "t").load().residual
 
     w._take_back = take_back
@@ -286,6 +289,7 @@ def test_a_refusal_is_added_to_the_residual_in_memory_and_on_disk(tmp_path):
         real_settle()
         if up is not None:
             settled["after"] = {n: t.clone() for n, t in w.trainer.residual.items()}
+            w._join_saver()
             settled["disk"] = StateStore(tmp_path / "worker", URL, "t").load().residual
             coord.refuse.clear()
 
@@ -314,26 +318,16 @@ def test_the_unsent_queue_keeps_deltas_in_lease_order(tmp_path):
     assert store.load_all_unsent() == [] and store.load_unsent() is None
 
 
-class _HoldFirstDelta:
-    """Wraps test_resume's AppTransport: the first delta upload reaches the coordinator only once the
-    worker has asked for its next lease (or after WAIT_S, which the test then reports)."""
+class _LeaseQueries:
+    """Wraps test_resume's AppTransport, noting each lease request's query string."""
 
     def __init__(self, inner) -> None:
         self.inner = inner
-        self.next_lease_asked = threading.Event()
-        self.uploading = False
-        self.held: list[bool] = []
         self.lease_queries: list[str] = []
 
     def handle_request(self, request):
-        path = request.url.path
-        if path.endswith("/leases"):
+        if request.url.path.endswith("/leases"):
             self.lease_queries.append(request.url.query.decode())
-            if self.uploading:
-                self.next_lease_asked.set()
-        if path.endswith("/delta") and not self.held:
-            self.uploading = True
-            self.held.append(self.next_lease_asked.wait(WAIT_S))
         return self.inner.handle_request(request)
 
 
@@ -351,14 +345,32 @@ def test_against_the_coordinator_the_next_lease_is_taken_while_the_delta_uploads
     from tests.worker.test_resume import AppTransport
     from worker.client import CoordinatorClient
 
-    transport = _HoldFirstDelta(AppTransport(api))
+    transport = _LeaseQueries(AppTransport(api))
     settings = WorkerSettings(coordinator=URL, run="t", state_dir=tmp_path / "worker", device="cpu", max_rounds=3)
     client = CoordinatorClient(URL, transport=httpx.MockTransport(transport.handle_request), max_retries=2)
     w = Worker(settings, client=client)
     assert w.run() == 3
     assert w.lease_ahead is True  # the coordinator's /healthz said it keeps such a lease
-    assert transport.held == [True]  # lease 1's delta was still on its way when lease 2 was asked for ...
-    assert transport.lease_queries[1].startswith("keep=")  # ... naming it
+    posts = transport.inner.posts()
+    # lease 2 was asked for (naming lease 1) before lease 1's delta was sent: fetched during round 1
+    assert [p.rsplit("/", 1)[1] for p in posts if p.endswith(("/leases", "/delta"))][:3] == ["leases", "leases",
+                                                                                             "delta"]
+    assert transport.lease_queries[0] == "" and all(q.startswith("keep=") for q in transport.lease_queries[1:])
     st = api.status()
     assert st["pending_deltas"] + st["merged_deltas"] == 3 and st["rejected_deltas"] == 0
     assert StateStore(tmp_path / "worker", URL, "t").load_all_unsent() == []
+
+
+def test_the_next_lease_its_model_and_shard_are_fetched_before_the_round_ends(tmp_path):
+    coord = FakeCoordinator(keeps=True)
+    w = make_worker(coord, tmp_path, max_rounds=3, lease_ahead=True)
+    assert w.run() == 3
+    ev = [e for e in coord.events if e[0] != "answered"]
+    for lid in (2, 3):
+        asked = coord.index("lease", lid, lid - 1)  # keeping the lease still training
+        assert asked < coord.index("step", lid - 1, STEPS)  # before that round's last step
+        # nothing was fetched between the end of one round and the start of the next
+        between = ev[ev.index(("step", lid - 1, STEPS)) + 1:ev.index(("step", lid, 1))]
+        assert [e for e in between if e[0] in ("lease", "snapshot", "shard")] == []
+    assert [e[:2] for e in coord.events if e[0] == "lease"] == [("lease", 1), ("lease", 2), ("lease", 3)]
+    assert coord.stored.keys() == {1, 2, 3}
