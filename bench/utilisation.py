@@ -49,6 +49,7 @@ import torch
 from idletrain.demo import free_port, wait_healthy
 from shared import protocol
 from shared.model import ModelConfig
+from worker.client import CoordinatorError
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +126,8 @@ class Coordinator:
         self._log.close()
 
 
-def run_config(*, steps: int, batch: int, model: ModelConfig, shard_tokens: int, corpus: str | None = None) -> dict:
+def run_config(*, steps: int, batch: int, model: ModelConfig, shard_tokens: int, corpus: str | None = None,
+               relax_screening: bool = False) -> dict:
     return {
         "name": RUN, "corpus_max_bytes": 1 << 20, **({"corpus": corpus} if corpus else {}),
         "shard_tokens": shard_tokens, "eval_tokens": 4096,
@@ -133,6 +135,10 @@ def run_config(*, steps: int, batch: int, model: ModelConfig, shard_tokens: int,
         "model": dataclasses.asdict(model),
         "inner": {"steps": steps, "batch_size": batch, "lr": 1e-3, "warmup_steps": min(5, steps)},
         "compression": {"index": "dense", "values": "int8"},
+        # The run's robust screening as configured by default, unless relaxed: a lone worker leasing ahead
+        # trains each round from the version before its previous delta, and in one trial the screening
+        # (min_cosine -0.1) rejected 4 of its 7 deltas and banned it (docs/BENCHMARKS.md).
+        "robust": {"min_cosine": -1.0} if relax_screening else {},
     }
 
 
@@ -158,7 +164,8 @@ def measure(mode: Mode, url: str, state_dir: Path, *, rounds: int, upload_kbps: 
     wall = u.wall_s() or 0.0
     return {"mode": mode.name, "rounds": delivered, "utilisation": u.fraction(), "compute_s": u.compute_s,
             "wall_s": wall, "idle_s": wall - u.compute_s, "upload_wait_s": u.upload_wait_s,
-            "bytes_sent": worker.client.sent_bytes, "bytes_received": worker.client.received_bytes}
+            "bytes_sent": worker.client.sent_bytes, "bytes_received": worker.client.received_bytes,
+            "phase_s": dict(u.phase_s)}
 
 
 def warm_up(model: ModelConfig, *, batch: int, threads: int) -> None:
@@ -176,6 +183,10 @@ def warm_up(model: ModelConfig, *, batch: int, threads: int) -> None:
 
 
 def summarise(samples: list[dict]) -> dict:
+    failed = [s["error"] for s in samples if "error" in s]
+    samples = [s for s in samples if "error" not in s]
+    if not samples:
+        return {"failed": failed, "goal_met": False}
     util = [s["utilisation"] for s in samples]
     per_round = [s["wall_s"] / s["rounds"] for s in samples]
     compute_round = [s["compute_s"] / s["rounds"] for s in samples]
@@ -184,13 +195,16 @@ def summarise(samples: list[dict]) -> dict:
             "idle_per_round_s": statistics.median(w - c for w, c in zip(per_round, compute_round, strict=True)),
             "upload_wait_per_round_s": statistics.median(s["upload_wait_s"] / s["rounds"] for s in samples),
             "sent_per_round_bytes": statistics.median(s["bytes_sent"] / s["rounds"] for s in samples),
-            "goal_met": statistics.median(util) >= GOAL}
+            "phase_per_round_s": {p: statistics.median(s["phase_s"].get(p, 0.0) / s["rounds"] for s in samples)
+                                  for p in sorted({p for s in samples for p in s["phase_s"]})},
+            "goal_met": statistics.median(util) >= GOAL, "failed": failed}
 
 
-def run(*, out: Path, rounds: int = 8, repeats: int = 2, steps: int = 20, batch: int = 8,
+def run(*, out: Path, rounds: int = 16, repeats: int = 2, steps: int = 20, batch: int = 8,
         model: ModelConfig | None = None, upload_kbps: float = 10_000.0, threads: int = 1,
         modes: tuple[str, ...] = ("off", "on", "ahead"), shard_tokens: int = 1 << 16,
-        coordinator_env: dict[str, str] | None = None, corpus: str | None = None, command: str = "") -> dict:
+        coordinator_env: dict[str, str] | None = None, corpus: str | None = None, relax_screening: bool = False,
+        command: str = "") -> dict:
     """Measure every mode `repeats` times; `corpus` (a path on this machine) instead of the built-in one."""
     model = model or ModelConfig()
     chosen = [MODES[m] for m in modes]
@@ -204,7 +218,8 @@ def run(*, out: Path, rounds: int = 8, repeats: int = 2, steps: int = 20, batch:
     samples: dict[str, list[dict]] = {m.name: [] for m in chosen}
     t_start = time.time()
     try:
-        cfg = run_config(steps=steps, batch=batch, model=model, shard_tokens=shard_tokens, corpus=corpus)
+        cfg = run_config(steps=steps, batch=batch, model=model, shard_tokens=shard_tokens, corpus=corpus,
+                         relax_screening=relax_screening)
         coords["plain"] = Coordinator(root, keeping=False, env=env)
         coords["plain"].create_run(cfg)
         if any(m.lease_ahead for m in chosen) and not coords["plain"].keeps_delivering_lease():
@@ -215,8 +230,13 @@ def run(*, out: Path, rounds: int = 8, repeats: int = 2, steps: int = 20, batch:
         for rep in range(repeats):
             for mode in chosen:
                 coord = coords["patched" if patched and mode.lease_ahead else "plain"]
-                sample = measure(mode, coord.url, root / f"worker-{mode.name}-{rep}", rounds=rounds,
-                                 upload_kbps=upload_kbps, threads=threads)
+                try:
+                    sample = measure(mode, coord.url, root / f"worker-{mode.name}-{rep}", rounds=rounds,
+                                     upload_kbps=upload_kbps, threads=threads)
+                except (CoordinatorError, RuntimeError) as exc:  # e.g. banned by robust screening: say so
+                    log.warning("%s, repeat %d failed: %s", mode.name, rep, exc)
+                    samples[mode.name].append({"mode": mode.name, "repeat": rep, "error": str(exc)})
+                    continue
                 sample["repeat"] = rep
                 samples[mode.name].append(sample)
                 log.info("%s, repeat %d: %.1f%% computing (%.1f s of %.1f s)", mode.name, rep,
@@ -227,13 +247,13 @@ def run(*, out: Path, rounds: int = 8, repeats: int = 2, steps: int = 20, batch:
             c.close()
         shutil.rmtree(root, ignore_errors=True)
     delta_bytes = None
-    off = samples.get("off") or next(iter(samples.values()))
-    if off:
-        delta_bytes = statistics.median(s["bytes_sent"] / s["rounds"] for s in off)
+    good = [s for ss in samples.values() for s in ss if "error" not in s]
+    if good:
+        delta_bytes = statistics.median(s["bytes_sent"] / s["rounds"] for s in good)
     result = {
         "command": command, "goal": GOAL, "rounds": rounds, "repeats": repeats, "steps": steps, "batch": batch,
         "model": dataclasses.asdict(model), "n_params": model.n_params(), "upload_kbps": upload_kbps,
-        "threads": threads, "sent_per_round_bytes": delta_bytes,
+        "threads": threads, "sent_per_round_bytes": delta_bytes, "robust": cfg["robust"],
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
                     "python": platform.python_version()},
         "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t_start)),
@@ -264,6 +284,9 @@ def markdown(r: dict) -> str:
               "|---|---|---|---|---|---|---|---|"]
     for name, m in r["modes"].items():
         s = m["summary"]
+        if "utilisation_median" not in s:
+            lines.append(f"| {name}: {m['label']} | failed: {'; '.join(s['failed'])} |||||||")
+            continue
         label = m["label"] + (" (coordinator patched to keep the uploading lease)" if m["patched_coordinator"]
                               else "")
         lines.append(f"| {name}: {label} | {100 * s['utilisation_median']:.1f}% | "
@@ -271,6 +294,17 @@ def markdown(r: dict) -> str:
                      f"{s['wall_per_round_s']:.2f} s | {s['compute_per_round_s']:.2f} s | "
                      f"{s['idle_per_round_s']:.2f} s | "
                      f"{s['upload_wait_per_round_s']:.2f} s | {'met' if s['goal_met'] else 'not met'} |")
+    phases = sorted({p for m in r["modes"].values() for p in m["summary"].get("phase_per_round_s", {})})
+    lines += ["", "Where a round's wall time goes, by the worker's phase (seconds per round, median; `training` "
+              "includes what the trainer did besides steps: compressing the delta):", "",
+              "| mode | " + " | ".join(phases) + " |", "|---|" + "---|" * len(phases)]
+    for name, m in r["modes"].items():
+        per = m["summary"].get("phase_per_round_s", {})
+        lines.append(f"| {name} | " + " | ".join(f"{per.get(p, 0.0):.3f}" for p in phases) + " |")
+    failures = [(n, e) for n, m in r["modes"].items() for e in m["summary"]["failed"]]
+    if failures:
+        lines += ["", "Failed runs: " + "; ".join(f"{n}: {e}" for n, e in failures)]
+    lines += ["", f"Robust screening of the run: {r['robust'] or 'defaults'}.", ""]
     lines += ["", "Utilisation = time in the trainer's rounds / wall time from the first lease request to the last "
               "acknowledged upload, both counted by the worker (worker/progress.py `Utilisation`)."]
     if any(m["patched_coordinator"] for m in r["modes"].values()):
@@ -290,14 +324,14 @@ def plot(r: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = list(r["modes"])
+    names = [n for n, m in r["modes"].items() if "utilisation_median" in m["summary"]]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
     for i, name in enumerate(names):
         s = r["modes"][name]["summary"]
         ax1.bar(i, s["compute_per_round_s"], color="tab:green", label="computing" if i == 0 else None)
         ax1.bar(i, s["idle_per_round_s"], bottom=s["compute_per_round_s"], color="tab:red",
                 label="not computing" if i == 0 else None)
-        util = [100 * x["utilisation"] for x in r["modes"][name]["samples"]]
+        util = [100 * x["utilisation"] for x in r["modes"][name]["samples"] if "error" not in x]
         ax2.scatter([i] * len(util), util, color="tab:blue", zorder=3)
         ax2.bar(i, 100 * s["utilisation_median"], color="tab:blue", alpha=0.35)
     for ax in (ax1, ax2):
@@ -306,7 +340,8 @@ def plot(r: dict, path: Path) -> None:
     ax1.legend()
     ax1.set_title("where a round's wall time goes")
     ax2.axhline(100 * r["goal"], color="black", linestyle="--", label=f"goal {100 * r['goal']:.0f}%")
-    lo = min(100 * x["utilisation"] for m in r["modes"].values() for x in m["samples"])
+    lo = min((100 * x["utilisation"] for m in r["modes"].values() for x in m["samples"] if "error" not in x),
+             default=90.0)
     ax2.set_ylim(max(0.0, lo - 5), 100)
     ax2.set_ylabel("% of wall time computing")
     ax2.set_title(f"utilisation, upload {r['upload_kbps'] / 1000:g} Mbit/s")

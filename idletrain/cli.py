@@ -733,7 +733,7 @@ def build_parser() -> argparse.ArgumentParser:
     load.set_defaults(func=cmd_bench_load)
     util = bench.add_parser("utilisation", help="the share of wall time a real worker computes, its upload "
                                                 "throttled, overlap off and on side by side")
-    util.add_argument("--rounds", type=int, default=8, help="rounds per worker run (default 8)")
+    util.add_argument("--rounds", type=int, default=16, help="rounds per worker run (default 16)")
     util.add_argument("--repeats", type=int, default=2, help="runs per mode, interleaved (default 2)")
     util.add_argument("--steps", type=int, default=20, help="local steps per round (default 20)")
     util.add_argument("--batch", type=int, default=8, help="sequences per local step (default 8)")
