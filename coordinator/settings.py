@@ -27,6 +27,8 @@ class CoordinatorSettings(BaseSettings):
                                                      "queue runs dry; leases hand out the newest snapshot (raise it "
                                                      "for large models: a 124M snapshot takes seconds to write)")
     merge_idle_s: float = Field(0.05, gt=0, description="merger's sleep when nothing is queued")
+    processes: int = Field(1, ge=1, le=256, description="HTTP processes `serve` starts on one port (PostgreSQL "
+                                                         "only); one of them merges at a time")
     relay: bool = Field(False, description="the merging process also listens on a free loopback port (written to "
                                            "data_dir/leader.json) where the other coordinator processes on the "
                                            "same database relay exchanges and evaluations; `serve` turns it on "

@@ -40,23 +40,22 @@ def cmd_coordinator_serve(args: argparse.Namespace) -> int:
     from coordinator.settings import CoordinatorSettings
 
     overrides = {k: v for k, v in {"host": args.host, "port": args.port, "data_dir": args.data_dir,
-                                   "database_url": args.database_url, "admin_token": args.admin_token}.items()
+                                   "database_url": args.database_url, "admin_token": args.admin_token,
+                                   "processes": args.processes}.items()
                  if v is not None}
     try:
         settings = CoordinatorSettings(**overrides)
     except ValidationError as exc:
         return _fail("; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()))
-    if args.processes < 1:
-        return _fail(f"--processes must be 1 or more, not {args.processes}")
     shared_db = settings.resolved_database_url.startswith("postgresql")
-    if args.processes > 1 and not shared_db:
+    if settings.processes > 1 and not shared_db:
         return _fail("several coordinator processes need PostgreSQL (SQLite serves one process): pass "
                      "--database-url postgresql+psycopg://USER@HOST/DB")
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     log.info("coordinator on http://%s:%d, data in %s, %d process(es)", settings.host, settings.port,
-             settings.data_dir.resolve(), args.processes)
+             settings.data_dir.resolve(), settings.processes)
     level, access = args.log_level.lower(), args.log_level.upper() == "DEBUG"
-    if args.processes == 1:
+    if settings.processes == 1:
         settings = settings.model_copy(update={"relay": shared_db})  # other coordinators may join the database
         uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=level, access_log=access)
         return 0
@@ -64,7 +63,7 @@ def cmd_coordinator_serve(args: argparse.Namespace) -> int:
     # from the environment, so the settings travel as IDLETRAIN_* variables.
     for key, value in {**overrides, "data_dir": str(settings.data_dir.resolve()), "relay": "true"}.items():
         os.environ[f"IDLETRAIN_{key.upper()}"] = str(value)
-    uvicorn.run("coordinator.app:app_from_environment", factory=True, workers=args.processes, host=settings.host,
+    uvicorn.run("coordinator.app:app_from_environment", factory=True, workers=settings.processes, host=settings.host,
                 port=settings.port, log_level=level, access_log=access)
     return 0
 
@@ -554,7 +553,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--data-dir", default=None, help="blobs and the SQLite database (default ./idletrain-data)")
     serve.add_argument("--database-url", default=None, help="SQLAlchemy URL (default: SQLite in the data dir)")
     serve.add_argument("--admin-token", default=None, help="token for operator actions (required off loopback)")
-    serve.add_argument("--processes", type=int, default=1,
+    serve.add_argument("--processes", type=int, default=None,
                        help="HTTP processes on one port (PostgreSQL only): all answer workers, one at a time "
                             "merges (the holder of the merger lock; another takes over when it dies)")
     serve.set_defaults(func=cmd_coordinator_serve)

@@ -179,7 +179,7 @@ def test_format_status_one_line():
 
 @pytest.mark.parametrize("extra, words", [
     (["--processes", "2"], "need PostgreSQL"),
-    (["--processes", "0"], "must be 1 or more"),
+    (["--processes", "0"], "greater than or equal to 1"),
 ])
 def test_serve_refuses_what_it_cannot_do(tmp_path, capsys, monkeypatch, extra, words):
     monkeypatch.delenv("IDLETRAIN_DATABASE_URL", raising=False)

@@ -12,6 +12,7 @@ inside pyproject.toml's range, volumes match the state directories the images de
 from __future__ import annotations
 
 import configparser
+import contextlib
 import fnmatch
 import json
 import os
@@ -38,6 +39,7 @@ from sqlalchemy.engine import make_url
 from coordinator.settings import CoordinatorSettings
 from idletrain.cli import RUN_FLAGS, build_parser, build_run_config
 from idletrain.demo import free_port, wait_healthy
+from tests.conftest import fresh_database, postgres_reason
 from worker.settings import WorkerSettings, default_state_dir
 
 REPO = Path(__file__).resolve().parents[2]
@@ -616,9 +618,16 @@ def test_readme_names_every_deploy_file_and_only_existing_ones():
 
 @pytest.mark.slow
 def test_compose_commands_work_against_a_real_coordinator(compose, services, dockerfile, corpus_dir, tmp_path):
-    """The coordinator configured by the compose file's environment alone (SQLite, loopback,
+    """The coordinator configured by the compose file's environment alone (its processes on a fresh
+    PostgreSQL schema here, or one process on SQLite when PostgreSQL cannot be reached; loopback,
     a free port: no Docker here), the image's and the compose file's health checks, and
     create-run's shell command, run twice."""
+    with contextlib.ExitStack() as stack:
+        db_url = None if postgres_reason() else stack.enter_context(fresh_database("postgresql"))
+        _compose_against_a_real_coordinator(services, dockerfile, corpus_dir, tmp_path, db_url)
+
+
+def _compose_against_a_real_coordinator(services, dockerfile, corpus_dir, tmp_path, db_url: str | None):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "python").symlink_to(sys.executable)
@@ -630,7 +639,10 @@ def test_compose_commands_work_against_a_real_coordinator(compose, services, doc
     base.update(PATH=f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}", PYTHONPATH=str(REPO),
                 OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     coord_env = dict(services["coordinator"]["environment"])
-    del coord_env["IDLETRAIN_DATABASE_URL"]  # SQLite in the data dir; the URL's form is checked above
+    if db_url is None:  # SQLite in the data dir, one process; the URL's form is checked above
+        del coord_env["IDLETRAIN_DATABASE_URL"], coord_env["IDLETRAIN_PROCESSES"]
+    else:
+        coord_env["IDLETRAIN_DATABASE_URL"] = db_url
     coord_env.update(IDLETRAIN_HOST="127.0.0.1", IDLETRAIN_PORT=str(port), IDLETRAIN_DATA_DIR=str(tmp_path / "data"))
     healthcheck = last(chain(dockerfile[1], "coordinator"), "HEALTHCHECK")
     probe = ["/bin/sh", "-c", re.match(r"(--\S+\s+)*CMD\s+(.*)", healthcheck)[2]]
