@@ -170,12 +170,13 @@ class RunRuntime:
         return self._finish(out, write_snapshot)
 
     def merge_batch(self, items: Sequence[tuple[int, int]], *, write_snapshot: bool = True,
-                    prefetch: bool = True) -> list[MergeOutcome]:
+                    prefetch: bool = False) -> list[MergeOutcome]:
         """Process several stored deltas in order: items = [(seq, base_version), ...], seqs consecutive
         from version + 1. The same outcomes as calling merge() on each in turn (the same decisions and
-        arithmetic), but (prefetch) the next deltas are read and decoded on a helper thread while this
-        one is merged, and only the last version gets a snapshot (write_snapshot=True) -- the others carry
-        snapshot_sha256 "" and size 0, as merge(write_snapshot=False) does. The caller holds `lock`."""
+        arithmetic), but only the last version gets a snapshot (write_snapshot=True) -- the others carry
+        snapshot_sha256 "" and size 0, as merge(write_snapshot=False) does. prefetch: read and decode
+        the next deltas on a helper thread meanwhile (off by default: on the 2-core reference machine
+        it did not pay, docs/BENCHMARKS.md). The caller holds `lock`."""
         items = list(items)
         for i, (seq, _) in enumerate(items):
             if seq != self.version + 1 + i:

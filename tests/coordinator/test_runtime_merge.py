@@ -136,7 +136,7 @@ def test_merge_batch_equals_merge_one_by_one(tmp_path):
     batch.storage.delta(1, 12).unlink()  # an unreadable delta on both sides
     one.storage.delta(1, 12).unlink()
     outs = [one.merge(seq=s, base_version=b, write_snapshot=s == 30) for s, b in items]
-    got = batch.merge_batch(items[:9], write_snapshot=False) + batch.merge_batch(items[9:])
+    got = batch.merge_batch(items[:9], write_snapshot=False) + batch.merge_batch(items[9:], prefetch=True)
     got = [dataclasses.replace(o, reason=o.reason and o.reason.replace("/batch/", "/one/")) for o in got]
     assert got == outs  # every decision, norm, cosine, and the last snapshot's hash
     assert "unreadable" in got[11].reason and got[-1].snapshot_sha256 and not got[-2].snapshot_sha256
