@@ -339,11 +339,9 @@ def _run(mcfg: ModelConfig, *, model_name: str, fraction: float, n: int, out: Pa
 
     rows = [s.row(bound_ms) for s in stages]
     replay = {r["index"]: r for r in rows if r["stage"].startswith("(f) RunRuntime.merge, replay")}
-    batch: dict[str, dict] = {}
-    for r in rows:  # the faster of the two merge_batch rows per index kind
-        if r["stage"].startswith("(f) RunRuntime.merge_batch") and (
-                r["index"] not in batch or r["ms_per_delta"] < batch[r["index"]]["ms_per_delta"]):
-            batch[r["index"]] = r
+    # merge_batch as the coordinator would call it: its default, no helper thread
+    batch = {r["index"]: r for r in rows
+             if r["stage"].startswith("(f) RunRuntime.merge_batch") and r["stage"].endswith("no helper thread")}
     live = next((r for r in rows if r["stage"].startswith("(f) RunRuntime.merge, live")), None)
     goal = {"target_merges_per_s": GOAL_MERGES_PER_S, "target_x_bound": GOAL_X_BOUND, "bound_ms": _sig(bound_ms),
             "per_index": {kind: {"merges_per_s": r["merges_per_s"], "x_bound": r["x_bound"],
