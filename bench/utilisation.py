@@ -24,7 +24,10 @@ upload, both measured by the worker (worker.progress.Utilisation): compute is th
 the trainer's rounds (the local steps and the delta's compression); wall includes the first full
 snapshot download, every lease request, incremental model download, shard download, state save,
 and every second of upload the training did not hide. The modes run interleaved, `repeats` times,
-on the same coordinators, so a busy machine disturbs them alike; the median is reported.
+on the same coordinator, so a busy machine disturbs them alike; the median is reported. Each worker
+run trains a run of its own (util-<mode>-<repeat>) from the same initial model: in one shared run,
+fresh workers joining a model trained further by the ones before had deltas rejected by the robust
+screening (throttled, banned), whatever the mode.
 Writes results.json, results.md and utilisation.png.
 """
 
@@ -111,8 +114,8 @@ class Coordinator:
     def keeps_delivering_lease(self) -> bool:
         return bool(self.http.get("/healthz").json().get("keeps_delivering_lease", False))
 
-    def status(self) -> dict:
-        return self.http.get(f"{API}/runs/{RUN}/status").json()
+    def status(self, run: str) -> dict:
+        return self.http.get(f"{API}/runs/{run}/status").json()
 
     def close(self) -> None:
         self.http.close()
@@ -126,10 +129,10 @@ class Coordinator:
         self._log.close()
 
 
-def run_config(*, steps: int, batch: int, model: ModelConfig, shard_tokens: int, corpus: str | None = None,
-               relax_screening: bool = False) -> dict:
+def run_config(*, name: str, steps: int, batch: int, model: ModelConfig, shard_tokens: int,
+               corpus: str | None = None, relax_screening: bool = False) -> dict:
     return {
-        "name": RUN, "corpus_max_bytes": 1 << 20, **({"corpus": corpus} if corpus else {}),
+        "name": name, "corpus_max_bytes": 1 << 20, **({"corpus": corpus} if corpus else {}),
         "shard_tokens": shard_tokens, "eval_tokens": 4096,
         "eval_every": 1_000_000,  # no evaluations: they would take the coordinator's CPU from the worker
         "model": dataclasses.asdict(model),
@@ -142,13 +145,14 @@ def run_config(*, steps: int, batch: int, model: ModelConfig, shard_tokens: int,
     }
 
 
-def measure(mode: Mode, url: str, state_dir: Path, *, rounds: int, upload_kbps: float, threads: int) -> dict:
+def measure(mode: Mode, url: str, run: str, state_dir: Path, *, rounds: int, upload_kbps: float,
+            threads: int) -> dict:
     """One worker, `rounds` rounds, from a fresh state dir: what its Utilisation counted."""
     from worker.loop import Worker
     from worker.progress import PlainDisplay
     from worker.settings import WorkerSettings
 
-    settings = WorkerSettings(coordinator=url, run=RUN, state_dir=state_dir, device="cpu", threads=threads,
+    settings = WorkerSettings(coordinator=url, run=run, state_dir=state_dir, device="cpu", threads=threads,
                               max_rounds=rounds, overlap=mode.overlap, max_upload_kbps=upload_kbps,
                               name=f"bench-{mode.name}")
     worker = Worker(settings, display=PlainDisplay(every_s=3600.0))
@@ -218,20 +222,27 @@ def run(*, out: Path, rounds: int = 16, repeats: int = 2, steps: int = 20, batch
     samples: dict[str, list[dict]] = {m.name: [] for m in chosen}
     t_start = time.time()
     try:
-        cfg = run_config(steps=steps, batch=batch, model=model, shard_tokens=shard_tokens, corpus=corpus,
-                         relax_screening=relax_screening)
+        def config(name: str) -> dict:
+            return run_config(name=name, steps=steps, batch=batch, model=model, shard_tokens=shard_tokens,
+                              corpus=corpus, relax_screening=relax_screening)
+
         coords["plain"] = Coordinator(root, keeping=False, env=env)
-        coords["plain"].create_run(cfg)
         if any(m.lease_ahead for m in chosen) and not coords["plain"].keeps_delivering_lease():
             patched = True
             coords["patched"] = Coordinator(root, keeping=True, env=env)
-            coords["patched"].create_run(cfg)
+        runs: dict[tuple[str, int], str] = {}
+        for rep in range(repeats):  # every worker run trains a run of its own from the same start
+            for mode in chosen:
+                runs[mode.name, rep] = f"{RUN}-{mode.name}-{rep}"
+                coords["patched" if patched and mode.lease_ahead else "plain"].create_run(
+                    config(runs[mode.name, rep]))
         warm_up(model, batch=batch, threads=threads)
         for rep in range(repeats):
             for mode in chosen:
                 coord = coords["patched" if patched and mode.lease_ahead else "plain"]
                 try:
-                    sample = measure(mode, coord.url, root / f"worker-{mode.name}-{rep}", rounds=rounds,
+                    sample = measure(mode, coord.url, runs[mode.name, rep], root / f"worker-{mode.name}-{rep}",
+                                     rounds=rounds,
                                      upload_kbps=upload_kbps, threads=threads)
                 except (CoordinatorError, RuntimeError) as exc:  # e.g. banned by robust screening: say so
                     log.warning("%s, repeat %d failed: %s", mode.name, rep, exc)
@@ -241,7 +252,8 @@ def run(*, out: Path, rounds: int = 16, repeats: int = 2, steps: int = 20, batch
                 samples[mode.name].append(sample)
                 log.info("%s, repeat %d: %.1f%% computing (%.1f s of %.1f s)", mode.name, rep,
                          100 * sample["utilisation"], sample["compute_s"], sample["wall_s"])
-        statuses = {k: c.status() for k, c in coords.items()}
+        statuses = {run: coords["patched" if patched and MODES[m].lease_ahead else "plain"].status(run)
+                    for (m, _), run in runs.items()}
     finally:
         for c in coords.values():
             c.close()
@@ -253,7 +265,7 @@ def run(*, out: Path, rounds: int = 16, repeats: int = 2, steps: int = 20, batch
     result = {
         "command": command, "goal": GOAL, "rounds": rounds, "repeats": repeats, "steps": steps, "batch": batch,
         "model": dataclasses.asdict(model), "n_params": model.n_params(), "upload_kbps": upload_kbps,
-        "threads": threads, "sent_per_round_bytes": delta_bytes, "robust": cfg["robust"],
+        "threads": threads, "sent_per_round_bytes": delta_bytes, "robust": config("x")["robust"],
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
                     "python": platform.python_version()},
         "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t_start)),
@@ -261,8 +273,8 @@ def run(*, out: Path, rounds: int = 16, repeats: int = 2, steps: int = 20, batch
         "modes": {m.name: {"label": m.label, "overlap": m.overlap, "lease_ahead": m.lease_ahead,
                            "patched_coordinator": patched and m.lease_ahead, "summary": summarise(samples[m.name]),
                            "samples": samples[m.name]} for m in chosen},
-        "coordinator_status": {k: {f: v.get(f) for f in ("version", "merged_deltas", "rejected_deltas")}
-                               for k, v in statuses.items()},
+        "run_status": {k: {f: v.get(f) for f in ("version", "merged_deltas", "rejected_deltas")}
+                       for k, v in statuses.items()},
     }
     (out / "results.json").write_text(json.dumps(result, indent=1) + "\n")
     (out / "results.md").write_text(markdown(result))
@@ -277,7 +289,8 @@ def markdown(r: dict) -> str:
     sent = r["sent_per_round_bytes"]
     lines += [f"One worker, {r['rounds']} rounds of {r['steps']} local steps (batch {r['batch']}, model of "
               f"{r['n_params']:,} parameters, int8 dense delta ~{(sent or 0) / 1e3:.0f} KB sent per round), "
-              f"{r['threads']} torch thread(s), {r['repeats']} repeat(s) per mode interleaved; "
+              f"{r['threads']} torch thread(s), {r['repeats']} repeat(s) per mode interleaved, each worker run "
+              f"training a fresh run of its own from the same initial model; "
               f"{r['machine']['cpus']} CPUs, started {r['started_at']}, {r['seconds']:.0f} s in all.", "",
               "| mode | utilisation (median) | min-max | wall/round | compute/round | not computing/round "
               "| of it waiting for an upload | goal >= 97% |",
