@@ -4,9 +4,12 @@ The merger thread mutates it, and so do sparse exchanges (sparta), always under 
 rebuilt on start from the newest good checkpoint plus a replay, in their original order, of the
 deltas processed and the exchanges answered after it, so nothing acknowledged is lost or doubled.
 
-A checkpoint holds everything the merge depends on: the weights, the outer optimizer state
-(momentum, the group's accumulator and count), the version, the robust-merge norm history and
-the last exchange folded in. Data position (shards done / leased / pending) lives in the
+The merge rule's state is one flat vector per quantity (shared/algorithms/outer.py FlatOuter:
+deltas decode onto global indices, the momentum step is lazy from 4M parameters up); `state`
+gives the plain per-tensor form. A checkpoint holds everything the merge depends on, exactly as
+it is in memory: the flat weights and momentum with their scalars, the group's pending deltas
+and count, the version, the robust-merge norm history and the last exchange folded in (older
+checkpoints, per tensor, still load). Data position (shards done / leased / pending) lives in the
 database, committed with each lease and delta. The coordinator draws no random numbers: every
 seed it hands out is derived from the run's seed and a lease id, so there is no RNG to save.
 """
