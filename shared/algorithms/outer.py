@@ -159,6 +159,9 @@ class FlatOuter:
         # the first `applied` pending deltas are in T already; the rest owe T -= share * (w g)
         self.applied = len(self.pending) if applied is None else int(applied)
         self.share = float(share)
+        # lazy form: the group's dense runs summed in place, (offset, numel) -> sum of w g (their
+        # share is in T already), so dense deltas cost one buffer per run, not one per delta
+        self.dense_acc: dict[tuple[int, int], torch.Tensor] = {}
 
     # -- conversions -------------------------------------------------------------------------
 
@@ -172,8 +175,14 @@ class FlatOuter:
         acc = torch.cat([state.accum[n].detach().reshape(-1).to(torch.float32) for n in shapes])
         out = cls(shapes=shapes, t=t, m=m, in_group=state.in_group, lazy=lazy)
         support = torch.nonzero(acc).reshape(-1)
-        if support.numel():  # the group so far, as one sparse pending delta
+        if 4 * support.numel() > out.n:  # the group so far, as one dense run (dense deltas)
+            if out.lazy:
+                out.dense_acc[(0, out.n)] = acc
+            else:
+                out.pending.append((None, 0, acc))
+        elif support.numel():  # or as one sparse pending delta
             out.pending.append((support, 0, acc[support].clone()))
+        out.applied = len(out.pending)
         return out
 
     def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -203,6 +212,8 @@ class FlatOuter:
     def accum_flat(self) -> torch.Tensor:
         acc = torch.zeros(self.n, dtype=torch.float32)
         self._scatter(acc, [1.0] * len(self.pending))
+        for (off, numel), run in self.dense_acc.items():
+            acc[off:off + numel].add_(run)
         return acc
 
     def params(self) -> dict[str, torch.Tensor]:
@@ -226,7 +237,10 @@ class FlatOuter:
                 "outer_applied": str(self.applied), "outer_share": repr(self.share),
                 "outer_layout": json.dumps([[n, list(s)] for n, s in self.shapes.items()]),
                 # per pending delta: the offset of a dense run, or null for a sparse one (its indices travel)
-                "outer_pending_dense": json.dumps([off if idx is None else None for idx, off, _ in self.pending])}
+                "outer_pending_dense": json.dumps([off if idx is None else None for idx, off, _ in self.pending]),
+                "outer_dense_acc": json.dumps([list(key) for key in self.dense_acc])}
+        for (off, numel), run in self.dense_acc.items():
+            tensors[f"dense_acc/{off}/{numel}"] = run.contiguous()
         return tensors, meta
 
     @classmethod
@@ -237,10 +251,13 @@ class FlatOuter:
         for i, off in enumerate(json.loads(meta["outer_pending_dense"])):
             vals = tensors[f"pending/{i}/values"].to(torch.float32)
             pending.append((None, off, vals) if off is not None else (tensors[f"pending/{i}/indices"], 0, vals))
-        return cls(shapes=shapes, t=tensors["flat/t"].to(torch.float32), m=tensors["flat/m"].to(torch.float32),
+        out = cls(shapes=shapes, t=tensors["flat/t"].to(torch.float32), m=tensors["flat/m"].to(torch.float32),
                    scale=float(meta["outer_scale"]), carry=float(meta["outer_carry"]), in_group=in_group,
                    pending=pending, lazy=lazy, applied=int(meta.get("outer_applied", len(pending))),
                    share=float(meta.get("outer_share", "0.0")))
+        for off, numel in json.loads(meta.get("outer_dense_acc", "[]")):
+            out.dense_acc[(off, numel)] = tensors[f"dense_acc/{off}/{numel}"].to(torch.float32)
+        return out
 
     # -- sparse reads and writes of the weights (exchanges) ------------------------------------
 
@@ -267,9 +284,13 @@ class FlatOuter:
             self.pending.append((idx, 0, vals))
         for off, v in delta.dense:
             vals = torch.from_numpy(np.asarray(v, dtype=np.float32)) * weight
+            self.t[off:off + vals.numel()].sub_(vals, alpha=share)  # sequential: nothing to gain by deferring
             if now:
-                self.t[off:off + vals.numel()].sub_(vals, alpha=share)
-            self.pending.append((None, off, vals))
+                self.pending.append((None, off, vals))
+            elif (off, vals.numel()) in self.dense_acc:
+                self.dense_acc[(off, vals.numel())].add_(vals)
+            else:
+                self.dense_acc[(off, vals.numel())] = vals
         if now:
             self.applied = len(self.pending)
         self.in_group += 1
@@ -303,6 +324,7 @@ class FlatOuter:
         """apply_delta's momentum step, tensor by tensor, on the plain form (s = 1, C = 0)."""
         self.flush()
         acc = self.accum_flat()
+        self.dense_acc = {}
         mu = cfg.momentum
         theta, m, a = self.views(self.t), self.views(self.m), self.views(acc)
         for name in self.shapes:
@@ -342,5 +364,10 @@ class FlatOuter:
         self._scatter(self.m, [1.0 / (group * s_new)] * len(self.pending))
         # T: C D for every pending delta, plus the deferred -share w g of those not yet in T
         self._scatter(self.t, [c_t if i < self.applied else c_t - self.share for i in range(len(self.pending))])
+        for (off, numel), run in self.dense_acc.items():  # their share is in T already: C D only
+            self.m[off:off + numel].add_(run, alpha=1.0 / (group * s_new))
+            if c_t:
+                self.t[off:off + numel].add_(run, alpha=c_t)
+        self.dense_acc = {}
         self.scale, self.carry = s_new, c_new
         self.pending, self.applied, self.in_group = [], 0, 0
