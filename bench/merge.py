@@ -233,7 +233,7 @@ def measure_merger(mcfg: ModelConfig, *, n: int, fraction: float, root: Path, se
         coord.create_run(cfg)
         worker = coord.authenticate(coord.register_worker(cfg.name, protocol.RegisterRequest(name="bench")).token)
         rt = coord.runtime_list()[0]
-        merges, snapshots = _Timed(rt, "merge"), _Timed(rt, "write_snapshot")
+        merges, snapshots = _Timed(rt, "merge_batch"), _Timed(rt, "write_snapshot")
         merger = Merger(coord)
         pg = pseudo_gradient(rt.state.params, seed=seed + 1)
         steps: list[float] = []
@@ -249,9 +249,23 @@ def measure_merger(mcfg: ModelConfig, *, n: int, fraction: float, root: Path, se
                 raise RuntimeError("Merger.step found nothing to merge")
             steps.append(time.perf_counter() - t0)
         merge_t, snap_t = merges.take(), snapshots.take()
+        # The coordinator under load: Merger.BATCH deltas queued, merged by one step (one hold of the
+        # lock, one transaction, one snapshot at the end); seconds per delta.
+        batched: list[float] = []
+        for b in range(max(1, n // Merger.BATCH)):
+            for i in range(Merger.BATCH):
+                lease = coord.grant_lease(cfg.name, worker)
+                body = codec.encode(make_delta(pg, kind="random", fraction=fraction, base_version=lease.base_version,
+                                               round_seed=seed + 10_000 + b * Merger.BATCH + i))
+                coord.accept_delta(lease.lease_id, worker, body)
+            t0 = time.perf_counter()
+            done = merger.step(rt)
+            if done != Merger.BATCH:
+                raise RuntimeError(f"Merger.step merged {done} of {Merger.BATCH} queued deltas")
+            batched += [(time.perf_counter() - t0) / done] * done
         return {"step": steps, "merge": merge_t, "snapshot": snap_t,
                 "merge_core": [m - s for m, s in zip(merge_t, snap_t)],
-                "db": [st - m for st, m in zip(steps, merge_t)]}
+                "db": [st - m for st, m in zip(steps, merge_t)], "batched": batched}
     finally:
         coord.close()
 
@@ -518,6 +532,8 @@ def snapshot_encode_parts(params: dict[str, torch.Tensor], *, kind: str) -> list
 
 
 def merger_stages(dcfg: ModelConfig, *, name: str, n: int, fraction: float, seed: int) -> list[Stage]:
+    from coordinator.merger import Merger
+
     with tempfile.TemporaryDirectory(prefix="idletrain-merge-db-") as tmp:
         m = measure_merger(dcfg, n=n, fraction=fraction, root=Path(tmp), seed=seed)
     label = f"{name} model, {dcfg.n_params():,} params"
@@ -526,7 +542,9 @@ def merger_stages(dcfg: ModelConfig, *, name: str, n: int, fraction: float, seed
             Stage("(g) of which RunRuntime.merge without snapshot", "random", m["merge_core"], versus_bound=False),
             Stage("(g) of which snapshot", "random", m["snapshot"], versus_bound=False),
             Stage("(g) of which DB: reads, the merge's transaction, bookkeeping", "random", m["db"],
-                  versus_bound=False, note="Merger.step minus RunRuntime.merge")]
+                  versus_bound=False, note="Merger.step minus RunRuntime.merge_batch"),
+            Stage(f"(g) Merger.step with {Merger.BATCH} queued ({label})", "random", m["batched"], versus_bound=False,
+                  note="per delta: one hold of the lock, one transaction, one snapshot per batch")]
 
 
 # -- output ------------------------------------------------------------------------------------

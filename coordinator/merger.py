@@ -59,7 +59,7 @@ class Merger:
             worked = False
             try:
                 for rt in self.coord.runtime_list():
-                    worked |= self.step(rt)
+                    worked |= self.step(rt) > 0
                 if time.monotonic() - last_expiry > 1.0:
                     self.coord.expire_leases()
                     last_expiry = time.monotonic()
@@ -74,68 +74,85 @@ class Merger:
         """Merge everything queued now, synchronously (tests and shutdown use it)."""
         n = 0
         for rt in self.coord.runtime_list():
-            while self.step(rt):
-                n += 1
+            while done := self.step(rt):
+                n += done
         return n
 
-    def step(self, rt: RunRuntime) -> bool:
-        """Merge the next queued delta of one run, if any. Returns whether one was processed."""
-        sessions = self.coord.sessions
-        with sessions() as s:
-            rec = s.scalar(select(DeltaRecord).where(DeltaRecord.run_id == rt.run_id,
-                                                     DeltaRecord.seq == rt.version + 1))
-            if rec is None:
-                return False
-            seq, base = rec.seq, rec.base_version
-            # a snapshot every snapshot_every versions, and always when this delta is the last queued
-            snapshot = seq % self.coord.settings.snapshot_every == 0 or s.scalar(
-                select(DeltaRecord.id).where(DeltaRecord.run_id == rt.run_id, DeltaRecord.seq == seq + 1)) is None
+    BATCH = 16  # deltas merged under one hold of the run's lock and committed in one transaction
+
+    def step(self, rt: RunRuntime) -> int:
+        """Merge the next queued deltas of one run (up to BATCH, one transaction). Returns how many
+        were processed (0: none queued)."""
+        settings, cfg = self.coord.settings, rt.config
+        with self.coord.sessions() as s:
+            rows = s.execute(select(DeltaRecord.seq, DeltaRecord.base_version).where(
+                DeltaRecord.run_id == rt.run_id, DeltaRecord.seq > rt.version,
+                DeltaRecord.seq <= rt.version + self.BATCH + 1).order_by(DeltaRecord.seq)).all()
+        items: list[tuple[int, int]] = []
+        for seq, base in rows[:self.BATCH]:
+            if seq != rt.version + 1 + len(items):
+                break  # a gap: the row of the next sequence number is not committed yet
+            items.append((seq, base))
+            # a batch ends where a snapshot, an evaluation or a checkpoint is due
+            if any(seq % every == 0 for every in (settings.snapshot_every, cfg.eval_every, settings.checkpoint_every)):
+                break
+        if not items:
+            return 0
+        last = items[-1][0]
+        # a snapshot every snapshot_every versions, and always when the batch empties the queue
+        snapshot = last % settings.snapshot_every == 0 or not any(seq == last + 1 for seq, _ in rows)
         t0 = time.perf_counter()
-        cfg = rt.config
         # The version is committed before the lock is released: an exchange that follows this
         # merge (and records after_version = this version) can never be ahead of the database.
         with rt.lock:
-            out = rt.merge(seq=seq, base_version=base, write_snapshot=snapshot)
+            outs = rt.merge_batch(items, write_snapshot=snapshot)
             try:
-                self._commit(rt, seq, out)
+                self._commit(rt, outs)
             except Exception:
                 # The weights moved but the database did not: rebuild this run from disk, retry later.
                 self.coord.reload_run(rt.run_id)
                 raise
-        merge_s = time.perf_counter() - t0
-        if self.on_merged is not None:
-            self.on_merged(rt, out, merge_s)
-        if out.version % cfg.eval_every == 0:
+        merge_s = (time.perf_counter() - t0) / len(outs)
+        for out in outs:
+            if self.on_merged is not None:
+                self.on_merged(rt, out, merge_s)
+            if not out.merged:
+                log.warning("run %s: delta %d rejected at merge: %s", cfg.name, out.version, out.reason)
+            elif out.clipped:
+                log.warning("run %s: delta %d %s", cfg.name, out.version, out.reason)
+        if last % cfg.eval_every == 0:
             self.coord.evaluate(rt)
-        if out.version % self.coord.settings.checkpoint_every == 0:
+        if last % settings.checkpoint_every == 0:
             with rt.lock:  # exchanges (sparta) may be changing the weights meanwhile
                 rt.write_checkpoint()
             self._gc_snapshots(rt)
-        if not out.merged:
-            log.warning("run %s: delta %d rejected at merge: %s", cfg.name, seq, out.reason)
-        elif out.clipped:
-            log.warning("run %s: delta %d %s", cfg.name, seq, out.reason)
-        log.debug("merged seq %d in %.1f ms", seq, 1000 * (time.perf_counter() - t0))
-        return True
+        log.debug("merged seq %d..%d in %.1f ms", items[0][0], last, 1000 * (time.perf_counter() - t0))
+        return len(outs)
 
-    def _commit(self, rt: RunRuntime, seq: int, out: MergeOutcome) -> None:
+    def _commit(self, rt: RunRuntime, outs: list[MergeOutcome]) -> None:
+        first, last = outs[0].version, outs[-1].version
         with self.coord.sessions() as s:
-            rec = s.scalar(select(DeltaRecord).where(DeltaRecord.run_id == rt.run_id, DeltaRecord.seq == seq))
-            rec.outcome = "merged" if out.merged else "rejected"
-            rec.staleness, rec.weight, rec.reason, rec.merged_at = out.staleness, out.weight, out.reason, utcnow()
-            rec.norm, rec.cosine = out.norm, out.cosine
-            if out.snapshot_sha256:  # versions between snapshots exist only in the merger's memory
-                s.add(ModelVersion(run_id=rt.run_id, version=out.version, sha256=out.snapshot_sha256,
-                                   size_bytes=out.snapshot_size))
-            # Fenced: the version moves only from the one this merge followed. A process that lost the
+            recs = {r.seq: r for r in s.scalars(select(DeltaRecord).where(
+                DeltaRecord.run_id == rt.run_id, DeltaRecord.seq >= first, DeltaRecord.seq <= last))}
+            for out in outs:
+                rec = recs[out.version]
+                rec.outcome = "merged" if out.merged else "rejected"
+                rec.staleness, rec.weight, rec.reason, rec.merged_at = out.staleness, out.weight, out.reason, utcnow()
+                rec.norm, rec.cosine = out.norm, out.cosine
+                if out.snapshot_sha256:  # versions between snapshots exist only in the merger's memory
+                    s.add(ModelVersion(run_id=rt.run_id, version=out.version, sha256=out.snapshot_sha256,
+                                       size_bytes=out.snapshot_size))
+            # Fenced: the version moves only from the one this batch followed. A process that lost the
             # merger lock without knowing it yet cannot merge a delta twice.
-            moved = s.execute(update(Run).where(Run.id == rt.run_id, Run.version == out.version - 1)
-                              .values(version=out.version)).rowcount
+            moved = s.execute(update(Run).where(Run.id == rt.run_id, Run.version == first - 1)
+                              .values(version=last)).rowcount
             if not moved:
-                raise RuntimeError(f"run {rt.config.name}: version {out.version - 1} is no longer the newest; "
+                raise RuntimeError(f"run {rt.config.name}: version {first - 1} is no longer the newest; "
                                    "another coordinator process merged it")
             s.flush()
-            self.coord.record_merge(s, rec, rt.config)
+            for out in outs:  # in order: each worker's standing sees its deltas one by one
+                self.coord.record_merge(s, recs[out.version], rt.config)
+                s.flush()
             s.commit()
 
     def _gc_snapshots(self, rt: RunRuntime) -> None:

@@ -22,7 +22,7 @@ API = protocol.API_PREFIX
 def test_healthz(api):
     resp = api.client.get("/healthz")
     assert resp.status_code == 200
-    assert resp.json() == {"status": "ok", "api_version": protocol.API_VERSION}
+    assert resp.json() == {"status": "ok", "api_version": protocol.API_VERSION, "keeps_delivering_lease": True}
 
 
 def test_openapi_lists_every_route(api):

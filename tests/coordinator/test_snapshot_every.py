@@ -54,7 +54,7 @@ def test_snapshots_every_n_versions_and_when_the_queue_runs_dry(tmp_path, open_a
         # a crash between snapshots: merge one more without its snapshot reaching the database
         lease = api.lease(workers[3])
         api.accept(lease.lease_id, make_delta(lease, seed=7), workers[3])
-        monkeypatch.setattr(RunRuntime, "merge", _merge_without_snapshot(RunRuntime.merge))
+        monkeypatch.setattr(RunRuntime, "merge_batch", _merge_without_snapshot(RunRuntime.merge_batch))
         api.drain()
         monkeypatch.undo()
         assert _versions(api) == [0, 3, 5, 6, 7]
@@ -67,8 +67,8 @@ def test_snapshots_every_n_versions_and_when_the_queue_runs_dry(tmp_path, open_a
         assert api.lease(api.register()).base_version == 8
 
 
-def _merge_without_snapshot(merge):
-    def patched(self, *, seq, base_version, write_snapshot=True):
-        return merge(self, seq=seq, base_version=base_version, write_snapshot=False)
+def _merge_without_snapshot(merge_batch):
+    def patched(self, items, *, write_snapshot=True, prefetch=False):
+        return merge_batch(self, items, write_snapshot=False, prefetch=prefetch)
 
     return patched
