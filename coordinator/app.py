@@ -119,7 +119,7 @@ def create_app(settings: CoordinatorSettings, *, start_merger: bool = True) -> F
 
     @app.get("/healthz", response_model=protocol.Health, tags=["health"])
     async def healthz() -> protocol.Health:
-        return protocol.Health()
+        return protocol.Health(keeps_delivering_lease=True)
 
     app.include_router(runs.router)
     app.include_router(workers.router)

@@ -22,11 +22,15 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class Health(_Body):
+class Health(BaseModel):
+    # Fields a newer coordinator adds are ignored, so an older worker still reads its /healthz.
+    model_config = ConfigDict(extra="ignore")
+
     status: str = "ok"
     api_version: int = API_VERSION
-    keeps_delivering_lease: bool = Field(True, description="a lease request may name (?keep=) the worker's lease "
-                                                           "whose delta is still uploading; that lease stays live")
+    keeps_delivering_lease: bool = Field(False, description="a lease request may name (?keep=) the worker's lease "
+                                                            "whose delta is still uploading; that lease stays live "
+                                                            "(absent, from an older coordinator: it does not)")
 
 
 class RegisterRequest(_Body):

@@ -154,24 +154,24 @@ def test_workers_killed_and_restarted_at_random_still_train_every_shard(tmp_path
                 return False
             return lease_id is not None and rnd is not None and rnd[0] == lease_id and unsent is None
 
-        def try_kill(i: int) -> bool:
+        def try_kill(i: int) -> int | None:
+            """Kill worker i if it is where its plan wants it; returns its open lease at the kill (read
+            while it was frozen: a lease request it had already sent, to fetch its next lease ahead,
+            may still be granted after, to a dead process) or None when it was not killed."""
             proc = workers[i]
-            if i in mid_round:
-                ok = False
-                proc.send_signal(signal.SIGSTOP)  # frozen: what is checked now still holds at the kill
-                try:
-                    ok = mid_round_now(i)
-                finally:
-                    if not ok:
-                        proc.send_signal(signal.SIGCONT)
-                if not ok:
-                    return False
-            elif open_lease(i) is None:
-                return False
+            proc.send_signal(signal.SIGSTOP)  # frozen: what is checked now still holds at the kill
+            lease_id = None
+            try:
+                lease_id = open_lease(i) if i not in mid_round or mid_round_now(i) else None
+            finally:
+                if lease_id is None:
+                    proc.send_signal(signal.SIGCONT)
+            if lease_id is None:
+                return None
             proc.send_signal(signal.SIGKILL)
             proc.wait(timeout=10)
             del workers[i]
-            return True
+            return lease_id
 
         for i in range(WORKERS):
             workers[i] = start_worker(i, 0)
@@ -193,11 +193,11 @@ def test_workers_killed_and_restarted_at_random_still_train_every_shard(tmp_path
             recorded = st["merged_deltas"] + st["pending_deltas"] + st["rejected_deltas"]
             if plan and recorded >= plan[0][0] and open_lease(plan[0][1]) is not None:
                 time.sleep(plan[0][2])  # a random moment
-            if plan and recorded >= plan[0][0] and try_kill(plan[0][1]):
+            if plan and recorded >= plan[0][0] and (at_kill := try_kill(plan[0][1])) is not None:
                 _, i, _ = plan.pop(0)
                 rnd, unsent = _saved_on_disk(tmp_path / f"w{i}", url)
                 killed[i] = {"at_s": round(time.monotonic() - t0, 1), "recorded": recorded, "mid_round": i in mid_round,
-                             "open": open_lease(i), "round": rnd, "unsent": unsent}
+                             "open": at_kill, "round": rnd, "unsent": unsent}
                 if i in restarted:
                     restart_at[i] = time.monotonic() + restart_delays[i]
             for i, when in list(restart_at.items()):
