@@ -77,6 +77,7 @@ class Election:
         poll_s = self.coord.settings.leader_poll_s
         while not self._stop.wait(poll_s):
             try:
+                self.coord.flush_traffic()  # every process: the bytes it served (coordinator/traffic.py)
                 if self.leadership.held:
                     if not self.leadership.still_held():
                         self._step_down()

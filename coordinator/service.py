@@ -34,6 +34,7 @@ from coordinator.ratelimit import RateLimiter
 from coordinator.runtime import RunRuntime
 from coordinator.settings import CoordinatorSettings
 from coordinator.storage import Storage
+from coordinator.traffic import TrafficCounter
 from shared import codec, protocol
 from shared.algorithms import sparta, sync
 from shared.algorithms.compress import k_for, tensor_seed
@@ -99,6 +100,8 @@ class Coordinator:
         self._schemas: dict[int, dict[str, tuple[int, ...]]] = {}
         self.leadership: Leadership | None = None  # the merger lock, when the app took one
         self._expired_at = float("-inf")  # monotonic time of the last expiry sweep in this process
+        self.traffic = TrafficCounter()  # bytes moved, written by flush_traffic (coordinator/traffic.py)
+        self._flush_lock = threading.Lock()
         self._ack_lock = threading.Lock()  # one delta at a time takes the next sequence number
         self.limiter = RateLimiter({"lease": (settings.lease_rate, settings.lease_burst),
                                     "upload": (settings.upload_rate, settings.upload_burst),
@@ -188,6 +191,30 @@ class Coordinator:
             with torch.device("meta"):  # shapes only: nothing allocated, nothing initialised
                 self._schemas[run_id] = param_schema(TransformerLM(cfg.model))
         return self._schemas[run_id]
+
+    def flush_traffic(self) -> None:
+        """Write the bytes counted in this process since the last flush (one transaction). One flush at a
+        time: a reader that flushes first then sees every count taken before it, written."""
+        with self._flush_lock:
+            self._flush_traffic()
+
+    def _flush_traffic(self) -> None:
+        runs, workers = self.traffic.take()
+        if not runs and not workers:
+            return
+        try:
+            with self.sessions() as s:
+                for run_id, (up, down_model, down_data) in runs.items():
+                    s.execute(update(Run).where(Run.id == run_id).values(
+                        bytes_up=Run.bytes_up + up, bytes_down_model=Run.bytes_down_model + down_model,
+                        bytes_down_data=Run.bytes_down_data + down_data))
+                for worker_id, (up, down) in workers.items():
+                    s.execute(update(Worker).where(Worker.id == worker_id).values(
+                        bytes_up=Worker.bytes_up + up, bytes_down=Worker.bytes_down + down))
+                s.commit()
+        except BaseException:
+            self.traffic.put_back(runs, workers)
+            raise
 
     def still_leading(self) -> bool:
         """Whether this process still holds the merger lock (always, without one: SQLite, tests)."""
@@ -299,6 +326,7 @@ class Coordinator:
             deltas_rejected=w.deltas_rejected, bytes_up=w.bytes_up, bytes_down=w.bytes_down, credit=w.credit or 0.0)
 
     def list_workers(self, run_name: str) -> list[protocol.WorkerInfo]:
+        self.flush_traffic()
         with self.sessions() as s:
             run = self._run(s, run_name)
             return [self._worker_info(w) for w in s.scalars(select(Worker).where(Worker.run_id == run.id)
@@ -528,8 +556,7 @@ class Coordinator:
                 blob = self.storage.snapshot(run.id, v).read_bytes()
             except FileNotFoundError:
                 raise Gone(f"version {v} is no longer kept; fetch snapshots/latest") from None
-            s.execute(update(Run).where(Run.id == run.id).values(bytes_down_model=Run.bytes_down_model + len(blob)))
-            s.commit()
+            self.traffic.add(run.id, down_model=len(blob))
             return blob, v, row.sha256
 
     def model_update(self, run_name: str, from_version: int, to_version: int) -> tuple[bytes, str]:
@@ -562,9 +589,7 @@ class Coordinator:
                            f"fetch snapshots/{to_version} instead") from None
             blob = codec.encode(sync.model_update(old, new, from_version=from_version))
             self.storage.write(path, blob)
-        with self.sessions() as s:
-            s.execute(update(Run).where(Run.id == run_id).values(bytes_down_model=Run.bytes_down_model + len(blob)))
-            s.commit()
+        self.traffic.add(run_id, down_model=len(blob))
         return blob, hashlib.sha256(blob).hexdigest()
 
     def shard(self, run_name: str, shard_index: int, worker: Worker) -> tuple[bytes, str]:
@@ -576,9 +601,7 @@ class Coordinator:
             if shard is None:
                 raise NotFound(f"run {run_name!r} has no shard {shard_index}")
             blob = self.storage.shard(run.id, shard.index).read_bytes()
-            s.execute(update(Run).where(Run.id == run.id).values(bytes_down_data=Run.bytes_down_data + len(blob)))
-            s.execute(update(Worker).where(Worker.id == worker.id).values(bytes_down=Worker.bytes_down + len(blob)))
-            s.commit()
+            self.traffic.add(run.id, worker.id, down_data=len(blob))
             return blob, shard.sha256
 
     # -- deltas -------------------------------------------------------------------------------
@@ -599,7 +622,8 @@ class Coordinator:
             run = s.get(Run, lease.run_id)
             cfg = RunConfig.model_validate_json(run.config_json)
         try:
-            delta = codec.decode(body, schema=self.schema_of(lease.run_id))
+            # the codec's every check, on the flat layout: the fast path (one pass over all tensors)
+            delta = codec.decode_flat(body, schema=self.schema_of(lease.run_id))
         except DeltaFormatError as exc:
             self._count_rejection(worker.id, lease.run_id, len(body))
             raise Unprocessable(f"delta refused: {exc}") from None
@@ -607,14 +631,14 @@ class Coordinator:
             self._count_rejection(worker.id, lease.run_id, len(body))
             raise Unprocessable(f"delta says base version {delta.base_version}, "
                                 f"but lease {lease_id} handed out version {lease.base_version}")
-        if cfg.algorithm != "sparta" and not delta.entries:
+        if cfg.algorithm != "sparta" and not delta.n_entries:
             self._count_rejection(worker.id, lease.run_id, len(body))
             raise Unprocessable(f"run {run.name!r} uses {cfg.algorithm}: a round ends with its pseudo-gradient, "
                                 "not an empty delta")
-        if cfg.algorithm == "sparta" and delta.entries:
+        if cfg.algorithm == "sparta" and delta.n_entries:
             self._count_rejection(worker.id, lease.run_id, len(body))
             raise Unprocessable(f"run {run.name!r} uses sparta: a round ends with an empty delta (its progress "
-                                f"travels through exchanges), not one of {len(delta.entries)} entries")
+                                f"travels through exchanges), not one of {delta.n_entries} entries")
         if run.version - lease.base_version > cfg.outer.max_staleness:
             self._count_rejection(worker.id, lease.run_id, len(body))
             raise Gone(f"lease {lease_id} is {run.version - lease.base_version} versions stale, "
@@ -705,12 +729,9 @@ class Coordinator:
                     row = Exchange(run_id=run_id, lease_id=lease_id, worker_id=worker.id, step=step,
                                    after_version=rt.version, body=body, bytes_in=len(body), bytes_out=len(answer))
                     s.add(row)
-                    s.execute(update(Run).where(Run.id == run_id).values(
-                        bytes_up=Run.bytes_up + len(body), bytes_down_model=Run.bytes_down_model + len(answer)))
-                    s.execute(update(Worker).where(Worker.id == worker.id).values(
-                        bytes_up=Worker.bytes_up + len(body), bytes_down=Worker.bytes_down + len(answer)))
                     s.commit()
                     rt.last_exchange_id = row.id
+                self.traffic.add(run_id, worker.id, up=len(body), down_model=len(answer))
             except BaseException as exc:
                 rt.undo_exchange(sent, before)
                 if isinstance(exc, IntegrityError):  # the same exchange raced itself; the first one won
@@ -805,6 +826,7 @@ class Coordinator:
     # -- status -------------------------------------------------------------------------------
 
     def status(self, run_name: str) -> protocol.RunStatus:
+        self.flush_traffic()
         now = utcnow()
         with self.sessions() as s:
             run = self._run(s, run_name)
@@ -847,6 +869,7 @@ class Coordinator:
     def dashboard(self, run_name: str, *, now: datetime | None = None) -> protocol.Dashboard:
         """Every number of the public dashboard, aggregated in SQL and capped in rows, so it stays a
         few milliseconds with hundreds of workers and a long history."""
+        self.flush_traffic()
         now = now or utcnow()
         live_since = now - timedelta(seconds=self.LIVE_WINDOW_S)
         with self.sessions() as s:
@@ -917,6 +940,7 @@ class Coordinator:
 
     def metrics_sample(self, *, now: datetime | None = None) -> list[protocol.RunMetrics]:
         """Each run's numbers for a /metrics scrape: a handful of grouped queries over all runs."""
+        self.flush_traffic()
         now = now or utcnow()
         with self.sessions() as s:
             runs = s.scalars(select(Run).where(Run.state != "creating").order_by(Run.id)).all()
@@ -960,5 +984,9 @@ class Coordinator:
         return out
 
     def close(self) -> None:
+        try:
+            self.flush_traffic()
+        except Exception:  # the database is gone: these counts are statistics, not acknowledged work
+            log.exception("could not write the last traffic counts")
         self.engine.dispose()
 

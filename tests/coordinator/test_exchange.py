@@ -78,6 +78,7 @@ def sent_for(lease: protocol.Lease, step: int, params, *, p: float = SPARTA["p"]
 
 def observe(api: Api) -> dict:
     """Everything an exchange may change."""
+    api.coordinator.flush_traffic()  # the byte counts it holds in memory (coordinator/traffic.py)
     with api.coordinator.sessions() as s:
         runs = {r.name: (r.bytes_up, r.bytes_down_model, r.bytes_down_data, r.version, r.tokens_trained)
                 for r in s.scalars(select(Run))}
