@@ -58,6 +58,7 @@ log = logging.getLogger(__name__)
 
 RUN = "util"
 GOAL = 0.97
+DOWN_GOAL = 2.0  # issue 6: after joining, bytes down per round within 2x of bytes up
 API = protocol.API_PREFIX
 
 # The coordinator process of mode "ahead": the lease grant gives no earlier lease up (see above).
@@ -166,7 +167,12 @@ def measure(mode: Mode, url: str, run: str, state_dir: Path, *, rounds: int, upl
         raise RuntimeError(f"mode {mode.name}: {delivered} of {rounds} rounds delivered")
     u = worker.progress.utilisation
     wall = u.wall_s() or 0.0
-    return {"mode": mode.name, "rounds": delivered, "utilisation": u.fraction(), "compute_s": u.compute_s,
+    # the download goal: after joining (one full snapshot of version 0: each worker trains a fresh run)
+    # a worker fetches only the change to each new version, so it downloads about what it uploads
+    joined = httpx.get(f"{url}{protocol.API_PREFIX}/runs/{run}/snapshots/0", timeout=60)
+    joined.raise_for_status()
+    return {"mode": mode.name, "join_snapshot_bytes": len(joined.content), "rounds": delivered,
+            "utilisation": u.fraction(), "compute_s": u.compute_s,
             "wall_s": wall, "idle_s": wall - u.compute_s, "upload_wait_s": u.upload_wait_s,
             "bytes_sent": worker.client.sent_bytes, "bytes_received": worker.client.received_bytes,
             "phase_s": dict(u.phase_s)}
@@ -199,6 +205,10 @@ def summarise(samples: list[dict]) -> dict:
             "idle_per_round_s": statistics.median(w - c for w, c in zip(per_round, compute_round, strict=True)),
             "upload_wait_per_round_s": statistics.median(s["upload_wait_s"] / s["rounds"] for s in samples),
             "sent_per_round_bytes": statistics.median(s["bytes_sent"] / s["rounds"] for s in samples),
+            "received_per_round_after_join_bytes": statistics.median(
+                (s["bytes_received"] - s["join_snapshot_bytes"]) / s["rounds"] for s in samples),
+            "down_over_up_after_join": statistics.median(
+                (s["bytes_received"] - s["join_snapshot_bytes"]) / s["bytes_sent"] for s in samples),
             "phase_per_round_s": {p: statistics.median(s["phase_s"].get(p, 0.0) / s["rounds"] for s in samples)
                                   for p in sorted({p for s in samples for p in s["phase_s"]})},
             "goal_met": statistics.median(util) >= GOAL, "failed": failed}
@@ -307,6 +317,16 @@ def markdown(r: dict) -> str:
                      f"{s['wall_per_round_s']:.2f} s | {s['compute_per_round_s']:.2f} s | "
                      f"{s['idle_per_round_s']:.2f} s | "
                      f"{s['upload_wait_per_round_s']:.2f} s | {'met' if s['goal_met'] else 'not met'} |")
+    lines += ["", f"Bytes per round after joining (the one full snapshot of version 0 left out; goal: down within "
+              f"{DOWN_GOAL:g}x of up):", "", "| mode | up / round | down / round | down / up | goal |",
+              "|---|---|---|---|---|"]
+    for name, m in r["modes"].items():
+        s = m["summary"]
+        if "down_over_up_after_join" in s:
+            lines.append(f"| {name} | {s['sent_per_round_bytes'] / 1e3:.0f} KB | "
+                         f"{s['received_per_round_after_join_bytes'] / 1e3:.0f} KB | "
+                         f"{s['down_over_up_after_join']:.2f} | "
+                         f"{'met' if s['down_over_up_after_join'] <= DOWN_GOAL else 'not met'} |")
     phases = sorted({p for m in r["modes"].values() for p in m["summary"].get("phase_per_round_s", {})})
     lines += ["", "Where a round's wall time goes, by the worker's phase (seconds per round, median; `training` "
               "includes what the trainer did besides steps: compressing the delta):", "",

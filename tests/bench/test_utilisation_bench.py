@@ -29,11 +29,14 @@ def test_the_utilisation_bench_runs_every_mode_and_writes_its_outputs(tmp_path, 
         assert 0 < sample["compute_s"] <= sample["wall_s"], name
         assert 0 < sample["utilisation"] <= 1 and sample["bytes_sent"] > 0, name
         assert mode["summary"]["goal_met"] == (mode["summary"]["utilisation_median"] >= 0.97)
+        # after joining, rounds download incremental updates, not snapshots: about what they upload
+        assert 0 < sample["join_snapshot_bytes"] < sample["bytes_received"], name
+        assert 0 < mode["summary"]["down_over_up_after_join"] <= 2.0, (name, mode["summary"])
     # every worker run trained a run of its own, and every delta it delivered was accepted
     patched = res["modes"]["ahead"]["patched_coordinator"]
     assert patched or keeps
     assert set(res["run_status"]) == {"util-off-0", "util-on-0", "util-ahead-0"}
     assert all(st["rejected_deltas"] == 0 and st["merged_deltas"] <= 2 for st in res["run_status"].values())
     md = (out / "results.md").read_text()
-    assert "| off: overlap off" in md and "| ahead:" in md and "not computing" in md
+    assert "| off: overlap off" in md and "| ahead:" in md and "not computing" in md and "down / up" in md
     assert ("patched by the benchmark" in md) == patched and ("unpatched coordinator" in md) != patched
