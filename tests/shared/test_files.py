@@ -1,0 +1,42 @@
+"""shared/files.py atomic_write: the whole content or the old file; a large file synced as it goes."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from shared import files
+
+
+def test_writes_replace_the_whole_file(tmp_path):
+    path = tmp_path / "a" / "blob"
+    files.atomic_write(path, b"old")
+    files.atomic_write(path, b"new content")
+    assert path.read_bytes() == b"new content"
+    assert [p.name for p in path.parent.iterdir()] == ["blob"]  # no temp file left behind
+
+
+def test_a_large_file_is_synced_chunk_by_chunk(tmp_path, monkeypatch):
+    monkeypatch.setattr(files, "SYNC_CHUNK", 1000)
+    synced = []
+    real = os.fdatasync
+    monkeypatch.setattr(os, "fdatasync", lambda fd: (synced.append(os.fstat(fd).st_size), real(fd))[1])
+    data = bytes(range(256)) * 20  # 5,120 bytes: 6 chunks, 5 synced on the way, the last by fsync
+    files.atomic_write(tmp_path / "big", data)
+    assert (tmp_path / "big").read_bytes() == data
+    assert synced == [1000, 2000, 3000, 4000, 5000]
+
+
+def test_a_failed_write_leaves_the_old_file(tmp_path, monkeypatch):
+    path = tmp_path / "blob"
+    files.atomic_write(path, b"old")
+
+    def broken(fd):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(os, "fsync", broken)
+    with pytest.raises(OSError):
+        files.atomic_write(path, b"new")
+    assert path.read_bytes() == b"old"
+    assert [p.name for p in tmp_path.iterdir()] == ["blob"]
