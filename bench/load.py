@@ -6,8 +6,9 @@ whose compression is index "random" (seeded: only a seed travels), p = 0.1%, int
 delta is ~120 KB at 124M. Creating the run (building the model, writing its ~460 MB snapshot) and
 registering the workers is setup, not measured. IDLETRAIN_REGISTER_RATE=0 is set in the
 coordinator's environment (registration is rate-limited per client address, and every simulated
-worker comes from 127.0.0.1); every other setting is the default except IDLETRAIN_SNAPSHOT_KEEP
-(kept snapshots: disk space, not a serving path).
+worker comes from 127.0.0.1); every other setting is the default except IDLETRAIN_SNAPSHOT_KEEP,
+IDLETRAIN_SNAPSHOT_EVERY and IDLETRAIN_CHECKPOINT_EVERY (kept snapshots: disk space, not a serving
+path; a snapshot every 50 versions and a checkpoint every 500: what a 124M run's operator sets).
 
 Each simulated worker is an asyncio task with its own token, doing what `idletrain worker run`
 does per round, minus the training:
@@ -457,11 +458,22 @@ class Database:
         admin.dispose()
 
 
+COORDINATOR_ENV = {
+    "IDLETRAIN_REGISTER_RATE": "0",  # every simulated worker registers from 127.0.0.1
+    "IDLETRAIN_SNAPSHOT_KEEP": "4",  # disk: a 124M snapshot is ~460 MB
+    # what an operator of a 124M run sets (README, settings.snapshot_every): a snapshot takes seconds
+    # of CPU and a 460 MB fsync, so one per merge batch would starve the uploads' fsyncs
+    "IDLETRAIN_SNAPSHOT_EVERY": "50",
+    # likewise: a 124M checkpoint is weights + outer state, ~1.5 GB written and fsynced; replaying 500
+    # deltas after a crash takes seconds
+    "IDLETRAIN_CHECKPOINT_EVERY": "500",
+}
+
+
 def _coordinator_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("IDLETRAIN_")}
     env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1",
-               IDLETRAIN_REGISTER_RATE="0",  # every simulated worker registers from 127.0.0.1
-               IDLETRAIN_SNAPSHOT_KEEP="4")  # disk: a 124M snapshot is ~460 MB, one per merge
+               **COORDINATOR_ENV)
     return env
 
 
@@ -600,8 +612,9 @@ def _run(mcfg, *, model: str, workers: list[int], think_s: float, duration_s: fl
                 "think_s": think_s, "warmup_s": warmup_s, "duration_s": duration_s, "shards": created["n_shards"],
                 "shard_tokens": SHARD_TOKENS, "shard_scan_ms": scan, "run_create_s": round(create_s, 1),
                 "request_timeout_s": REQUEST_TIMEOUT_S,
-                "coordinator_env": {"IDLETRAIN_REGISTER_RATE": "0", "IDLETRAIN_SNAPSHOT_KEEP": "4"},
-                "processes": processes, "cpus": os.cpu_count(), "python": sys.version.split()[0], "httpx": httpx.__version__,
+                "coordinator_env": dict(COORDINATOR_ENV),
+                "processes": processes, "cpus": os.cpu_count(), "python": sys.version.split()[0],
+                "httpx": httpx.__version__,
                 "date": datetime.date.today().isoformat(), "workers_asked": workers, "not_run": [],
                 "final_status": None, "update_probe": None, "total_wall_s": None}
         rows: list[dict] = []
