@@ -250,7 +250,15 @@ def measure_merger(mcfg: ModelConfig, *, n: int, fraction: float, root: Path, se
             steps.append(time.perf_counter() - t0)
         merge_t, snap_t = merges.take(), snapshots.take()
         # The coordinator under load: Merger.BATCH deltas queued, merged by one step (one hold of the
-        # lock, one transaction, one snapshot at the end); seconds per delta.
+        # lock, one transaction, one snapshot at the end); seconds per delta. A batch ends where a
+        # snapshot is due, so this part runs with a snapshot every BATCH versions (the default, 1,
+        # writes one per version: no batch).
+        coord.settings = coord.settings.model_copy(update={"snapshot_every": Merger.BATCH})
+        while rt.version % Merger.BATCH:  # line the batches up with the snapshot interval
+            lease = coord.grant_lease(cfg.name, worker)
+            coord.accept_delta(lease.lease_id, worker, codec.encode(make_delta(
+                pg, kind="random", fraction=fraction, base_version=lease.base_version, round_seed=seed + 9_000)))
+            merger.step(rt)
         batched: list[float] = []
         for b in range(max(1, n // Merger.BATCH)):
             for i in range(Merger.BATCH):
@@ -544,7 +552,8 @@ def merger_stages(dcfg: ModelConfig, *, name: str, n: int, fraction: float, seed
             Stage("(g) of which DB: reads, the merge's transaction, bookkeeping", "random", m["db"],
                   versus_bound=False, note="Merger.step minus RunRuntime.merge_batch"),
             Stage(f"(g) Merger.step with {Merger.BATCH} queued ({label})", "random", m["batched"], versus_bound=False,
-                  note="per delta: one hold of the lock, one transaction, one snapshot per batch")]
+                  note="per delta, snapshot_every 16: one hold of the lock, one transaction, one snapshot "
+                       "per batch")]
 
 
 # -- output ------------------------------------------------------------------------------------
