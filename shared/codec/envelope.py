@@ -99,7 +99,13 @@ def max_body_bytes(schema: Mapping[str, tuple[int, ...]]) -> int:
 
 def decode(buf: bytes, *, schema: Mapping[str, tuple[int, ...]], max_body: int | None = None) -> Delta:
     """Envelope bytes -> Delta, checked against `schema` (name -> shape). Raises DeltaFormatError."""
-    cap = max_body_bytes(schema) if max_body is None else max_body
+    raw = _open(buf, max_body_bytes(schema) if max_body is None else max_body)
+    return _parse_body(memoryview(raw), schema)
+
+
+def _open(buf: bytes, cap: int) -> bytes:
+    """The body of an envelope: header checked (magic, version, declared size within `cap`), zstd
+    frame decompressed to exactly the declared size. Raises DeltaFormatError."""
     if len(buf) < HEADER.size:
         raise DeltaFormatError(f"delta of {len(buf)} bytes is shorter than its {HEADER.size}-byte header")
     magic, version, declared = HEADER.unpack_from(buf)
@@ -109,8 +115,7 @@ def decode(buf: bytes, *, schema: Mapping[str, tuple[int, ...]], max_body: int |
         raise DeltaFormatError(f"unsupported delta format version {version} (this side speaks {FORMAT_VERSION})")
     if declared > cap:
         raise DeltaFormatError(f"declared body of {declared} bytes exceeds the cap of {cap} bytes")
-    raw = _decompress(memoryview(buf)[HEADER.size:], declared)
-    return _parse_body(memoryview(raw), schema)
+    return _decompress(memoryview(buf)[HEADER.size:], declared)
 
 
 def _decompress(frame: memoryview, declared: int) -> bytes:
@@ -228,17 +233,7 @@ def decode_flat(buf: bytes, *, schema: Mapping[str, tuple[int, ...]], offsets: M
     The same checks as `decode` (a delta one refuses, the other refuses, with a DeltaFormatError),
     but SEEDED indices are regenerated for all entries at once (`seeded_indices_many`) and INT8
     values dequantised in one pass, instead of entry by entry."""
-    cap = max_body_bytes(schema) if max_body is None else max_body
-    if len(buf) < HEADER.size:
-        raise DeltaFormatError(f"delta of {len(buf)} bytes is shorter than its {HEADER.size}-byte header")
-    magic, version, declared = HEADER.unpack_from(buf)
-    if magic != MAGIC:
-        raise DeltaFormatError("not an idletrain delta (bad magic bytes)")
-    if version != FORMAT_VERSION:
-        raise DeltaFormatError(f"unsupported delta format version {version} (this side speaks {FORMAT_VERSION})")
-    if declared > cap:
-        raise DeltaFormatError(f"declared body of {declared} bytes exceeds the cap of {cap} bytes")
-    raw = _decompress(memoryview(buf)[HEADER.size:], declared)
+    raw = _open(buf, max_body_bytes(schema) if max_body is None else max_body)
     return _parse_body_flat(memoryview(raw), schema, flat_offsets(schema) if offsets is None else offsets)
 
 

@@ -29,13 +29,6 @@ STEPS = 4
 WAIT_S = 60.0  # a safety net against a hang: every assertion is about order, never about time
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 class Killed(BaseException):
     """Stands for SIGKILL: nothing in the worker catches it."""

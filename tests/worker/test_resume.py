@@ -9,7 +9,6 @@ import re
 
 import httpx
 import pytest
-import torch
 
 from shared import codec, protocol
 from tests.conftest import schema_of
@@ -24,14 +23,6 @@ API = protocol.API_PREFIX
 URL = "http://coordinator.test"
 STEPS = 8
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """These models are tiny: one torch thread beats two on a shared 2-core machine by far."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(autouse=True)

@@ -29,14 +29,6 @@ MODEL = ModelConfig(n_layer=1, d_model=32, n_head=2, context=32)
 CPU = torch.device("cpu")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """These models are tiny: one torch thread beats two on a shared 2-core machine by far."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 def make_lease(*, algorithm: str = "diloco", lease_id: int = 12, seed: int = 9, steps: int = 6,
                warmup_steps: int = 3, compression: CompressionConfig | None = None) -> protocol.Lease:

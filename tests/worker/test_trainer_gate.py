@@ -26,14 +26,6 @@ def make_lease(steps: int = 6) -> protocol.Lease:
         model=MODEL.to_dict(), deadline=datetime(2030, 1, 1, tzinfo=timezone.utc))
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models: one torch thread beats two on a shared 2-core machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 @pytest.fixture(scope="module")
 def tokens() -> torch.Tensor:

@@ -31,14 +31,6 @@ def make_lease(algorithm: str, *, lease_id: int = 1, seed: int = 5, steps: int =
         sparta=SpartaConfig(p=p, every=every, alpha=0.5, values="fp32"))
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """These models are tiny: one torch thread beats two on a shared 2-core machine by far."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 @pytest.fixture(scope="module")
 def tokens() -> torch.Tensor:

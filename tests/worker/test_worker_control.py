@@ -13,7 +13,6 @@ from collections.abc import Callable
 
 import httpx
 import pytest
-import torch
 
 from idletrain import cli
 from shared import codec, protocol
@@ -31,13 +30,6 @@ from worker.state import StateStore
 URL = "http://coordinator.test"
 STEPS = 8
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(autouse=True)
