@@ -147,45 +147,60 @@ def _decompress(frame: memoryview, declared: int) -> bytes:
     return raw
 
 
-def _parse_body(raw: memoryview, schema: Mapping[str, tuple[int, ...]]) -> Delta:
-    pos = 0
-
-    def take(n: int, what: str) -> memoryview:
-        nonlocal pos
-        if pos + n > len(raw):
-            raise DeltaFormatError(f"truncated body while reading {what}")
-        out = raw[pos:pos + n]
-        pos += n
-        return out
-
-    base_version, n_entries = struct.unpack("<QI", take(12, "the body header"))
+def _body_header(raw: memoryview, schema: Mapping[str, tuple[int, ...]]) -> tuple[int, int]:
+    """(base version, number of entries) from the body's first 12 bytes, checked against `schema`."""
+    if len(raw) < 12:
+        raise DeltaFormatError("truncated body while reading the body header")
+    base_version, n_entries = _BODY_HEADER.unpack_from(raw, 0)
     if n_entries > len(schema):
         raise DeltaMismatchError(f"{n_entries} entries but the model has only {len(schema)} tensors")
+    return base_version, n_entries
+
+
+def _entry_header(raw: memoryview, pos: int, schema: Mapping[str, tuple[int, ...]],
+                  seen: set[str]) -> tuple[str, IndexKind, ValueKind, int, int, int]:
+    """One entry's name and header at `pos`, every check made (a known tensor, not seen before, known
+    codecs, its numel, 1 <= k <= numel); returns (name, index kind, value kind, numel, k, next pos)."""
+    n_raw = len(raw)
+    if pos + 2 > n_raw:
+        raise DeltaFormatError("truncated body while reading a name length")
+    (name_len,) = _U16.unpack_from(raw, pos)
+    pos += 2
+    if not 0 < name_len <= MAX_NAME_BYTES:
+        raise DeltaFormatError(f"tensor name length {name_len} outside 1..{MAX_NAME_BYTES}")
+    if pos + name_len > n_raw:
+        raise DeltaFormatError("truncated body while reading a tensor name")
+    try:
+        name = bytes(raw[pos:pos + name_len]).decode()
+    except UnicodeDecodeError:
+        raise DeltaFormatError("tensor name is not utf-8") from None
+    pos += name_len
+    if name not in schema:
+        raise DeltaMismatchError(f"unknown tensor {name!r}")
+    if name in seen:
+        raise DeltaMismatchError(f"tensor {name!r} appears twice")
+    seen.add(name)
+    if pos + 18 > n_raw:
+        raise DeltaFormatError(f"truncated body while reading the header of {name}")
+    ik, vk, numel, k = _ENTRY_HEADER.unpack_from(raw, pos)
+    index_kind, value_kind = _INDEX_KINDS.get(ik), _VALUE_KINDS.get(vk)
+    if index_kind is None or value_kind is None:
+        raise DeltaFormatError(f"{name}: unknown codec (index kind {ik}, value kind {vk})")
+    expected = math.prod(schema[name])
+    if numel != expected:
+        raise DeltaMismatchError(f"{name}: numel {numel} but the model's tensor {schema[name]} has {expected}")
+    if not 0 < k <= numel:
+        raise DeltaMismatchError(f"{name}: carries {k} values, must be 1..{numel}")
+    return name, index_kind, value_kind, numel, k, pos + 18
+
+
+def _parse_body(raw: memoryview, schema: Mapping[str, tuple[int, ...]]) -> Delta:
+    base_version, n_entries = _body_header(raw, schema)
+    pos = 12
     entries: list[Entry] = []
     seen: set[str] = set()
     for _ in range(n_entries):
-        (name_len,) = struct.unpack("<H", take(2, "a name length"))
-        if not 0 < name_len <= MAX_NAME_BYTES:
-            raise DeltaFormatError(f"tensor name length {name_len} outside 1..{MAX_NAME_BYTES}")
-        try:
-            name = bytes(take(name_len, "a tensor name")).decode()
-        except UnicodeDecodeError:
-            raise DeltaFormatError("tensor name is not utf-8") from None
-        if name not in schema:
-            raise DeltaMismatchError(f"unknown tensor {name!r}")
-        if name in seen:
-            raise DeltaMismatchError(f"tensor {name!r} appears twice")
-        seen.add(name)
-        ik, vk, numel, k = struct.unpack("<BBQQ", take(18, f"the header of {name}"))
-        try:
-            index_kind, value_kind = IndexKind(ik), ValueKind(vk)
-        except ValueError:
-            raise DeltaFormatError(f"{name}: unknown codec (index kind {ik}, value kind {vk})") from None
-        expected = math.prod(schema[name])
-        if numel != expected:
-            raise DeltaMismatchError(f"{name}: numel {numel} but the model's tensor {schema[name]} has {expected}")
-        if not 0 < k <= numel:
-            raise DeltaMismatchError(f"{name}: carries {k} values, must be 1..{numel}")
+        name, index_kind, value_kind, numel, k, pos = _entry_header(raw, pos, schema, seen)
         indices, seed, used = INDEX_CODECS[index_kind].decode(raw[pos:], numel=numel, k=k)
         pos += used
         values, used = VALUE_CODECS[value_kind].decode(raw[pos:], k)
@@ -238,56 +253,16 @@ def decode_flat(buf: bytes, *, schema: Mapping[str, tuple[int, ...]], offsets: M
 
 
 def _parse_body_flat(raw: memoryview, schema: Mapping[str, tuple[int, ...]], offsets: Mapping[str, int]) -> FlatDelta:
-    pos = 0
-
-    def take(n: int, what: str) -> memoryview:
-        nonlocal pos
-        if pos + n > len(raw):
-            raise DeltaFormatError(f"truncated body while reading {what}")
-        out = raw[pos:pos + n]
-        pos += n
-        return out
-
-    base_version, n_entries = struct.unpack("<QI", take(12, "the body header"))
-    if n_entries > len(schema):
-        raise DeltaMismatchError(f"{n_entries} entries but the model has only {len(schema)} tensors")
+    base_version, n_entries = _body_header(raw, schema)
+    pos = 12
     seen: set[str] = set()
     # per sparse entry: (offset, kind, indices or seed, numel, k, values or None, int8 section or None)
     sparse: list[tuple] = []
     dense: list[tuple[int, np.ndarray]] = []
     int8 = VALUE_CODECS[ValueKind.INT8]
     n_raw = len(raw)
-    for _ in range(n_entries):  # the same checks as _parse_body, with fewer Python calls per entry
-        if pos + 2 > n_raw:
-            raise DeltaFormatError("truncated body while reading a name length")
-        (name_len,) = _U16.unpack_from(raw, pos)
-        pos += 2
-        if not 0 < name_len <= MAX_NAME_BYTES:
-            raise DeltaFormatError(f"tensor name length {name_len} outside 1..{MAX_NAME_BYTES}")
-        if pos + name_len > n_raw:
-            raise DeltaFormatError("truncated body while reading a tensor name")
-        try:
-            name = bytes(raw[pos:pos + name_len]).decode()
-        except UnicodeDecodeError:
-            raise DeltaFormatError("tensor name is not utf-8") from None
-        pos += name_len
-        if name not in schema:
-            raise DeltaMismatchError(f"unknown tensor {name!r}")
-        if name in seen:
-            raise DeltaMismatchError(f"tensor {name!r} appears twice")
-        seen.add(name)
-        if pos + 18 > n_raw:
-            raise DeltaFormatError(f"truncated body while reading the header of {name}")
-        ik, vk, numel, k = _ENTRY_HEADER.unpack_from(raw, pos)
-        pos += 18
-        index_kind, value_kind = _INDEX_KINDS.get(ik), _VALUE_KINDS.get(vk)
-        if index_kind is None or value_kind is None:
-            raise DeltaFormatError(f"{name}: unknown codec (index kind {ik}, value kind {vk})")
-        expected = math.prod(schema[name])
-        if numel != expected:
-            raise DeltaMismatchError(f"{name}: numel {numel} but the model's tensor {schema[name]} has {expected}")
-        if not 0 < k <= numel:
-            raise DeltaMismatchError(f"{name}: carries {k} values, must be 1..{numel}")
+    for _ in range(n_entries):  # the checks of _parse_body (the same _entry_header), the bulk work deferred
+        name, index_kind, value_kind, numel, k, pos = _entry_header(raw, pos, schema, seen)
         if index_kind == IndexKind.SEEDED:
             if pos + 8 > n_raw:
                 raise DeltaFormatError("truncated seed")
@@ -331,6 +306,7 @@ def _parse_body_flat(raw: memoryview, schema: Mapping[str, tuple[int, ...]], off
 
 
 _U16, _U64, _ENTRY_HEADER = struct.Struct("<H"), struct.Struct("<Q"), struct.Struct("<BBQQ")
+_BODY_HEADER = struct.Struct("<QI")
 _INDEX_KINDS = {int(kind): kind for kind in IndexKind}
 _VALUE_KINDS = {int(kind): kind for kind in ValueKind}
 
