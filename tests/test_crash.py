@@ -26,7 +26,7 @@ from shared.config import RunConfig
 from shared.model import ModelConfig, build_model, param_schema
 from shared.snapshot import decode_snapshot
 from tests.coordinator.test_merger import assert_same, replay
-from tests.test_loopback import _env, _tail, _wait_healthy
+from tests.test_loopback import _env, _stop, _tail, _wait_healthy
 from worker.client import CoordinatorClient, CoordinatorError
 
 KILLS = 4
@@ -145,32 +145,7 @@ def test_sigkill_at_random_moments_loses_and_doubles_nothing(tmp_path: Path, cor
         assert len(acks) >= acked_at_kill[-1] + AFTER_LAST, (len(acks), acked_at_kill)
         assert log.read_text().count("resumed at version") >= KILLS
 
-        # every acknowledged delta merges, once
-        deadline = time.monotonic() + 60
-        while True:
-            st = http.get(f"{protocol.API_PREFIX}/runs/crash/status").json()
-            if st["pending_deltas"] == 0 or time.monotonic() > deadline:
-                break
-            time.sleep(0.2)
-        seqs = sorted(seq for _, seq, _ in acks.values())
-        assert seqs == list(range(1, len(acks) + 1)), "sequence numbers are dense and each lease has one"
-        assert st["merged_deltas"] == len(acks) and st["rejected_deltas"] == 0 and st["pending_deltas"] == 0, st
-        assert st["version"] == len(acks)
-
-        # the database recorded exactly what the workers were told, byte for byte
-        engine = create_engine(db_url or f"sqlite:///{data_dir / 'idletrain.sqlite3'}")
-        with Session(engine) as s:
-            rows = s.execute(select(DeltaRecord.lease_id, DeltaRecord.seq, DeltaRecord.outcome, DeltaRecord.reason)
-                             .order_by(DeltaRecord.seq)).all()
-        engine.dispose()
-        assert {lease: seq for lease, seq, _, _ in rows} == {lease: a[1] for lease, a in acks.items()}
-        assert all(outcome == "merged" and reason is None for _, _, outcome, reason in rows)
-
-        # final weights == an independent replay of the acknowledged bytes in seq order
-        snap = http.get(f"{protocol.API_PREFIX}/runs/crash/snapshots/latest")
-        params, _ = decode_snapshot(snap.content, schema=param_schema(build_model(cfg.model)))
-        in_order = [(body, base) for body, _, base in sorted(acks.values(), key=lambda a: a[1])]
-        assert_same(params, replay(cfg, in_order))
+        assert_merged_exactly_once(http, "crash", acks, cfg, db_url or f"sqlite:///{data_dir / 'idletrain.sqlite3'}")
     except BaseException:
         print(_tail(log, 6000))
         raise
@@ -178,9 +153,36 @@ def test_sigkill_at_random_moments_loses_and_doubles_nothing(tmp_path: Path, cor
         for w in workers:
             w.stop.set()
         http.close()
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        _stop(proc, signal.SIGTERM)
+
+
+def assert_merged_exactly_once(http: httpx.Client, run: str, acks: dict[int, tuple[bytes, int, int]], cfg: RunConfig,
+                               db_url: str) -> None:
+    """Every delta that got a 202 (acks: lease -> (body, seq, base)) is merged, once, under the
+    sequence number its answer gave, and the run's weights equal an independent replay of those
+    bytes in that order."""
+    deadline = time.monotonic() + 60
+    while True:
+        st = http.get(f"{protocol.API_PREFIX}/runs/{run}/status").json()
+        if st["pending_deltas"] == 0 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    seqs = sorted(seq for _, seq, _ in acks.values())
+    assert seqs == list(range(1, len(acks) + 1)), "sequence numbers are dense and each lease has one"
+    assert st["merged_deltas"] == len(acks) and st["rejected_deltas"] == 0 and st["pending_deltas"] == 0, st
+    assert st["version"] == len(acks)
+
+    # the database recorded exactly what the workers were told, byte for byte
+    engine = create_engine(db_url)
+    with Session(engine) as s:
+        rows = s.execute(select(DeltaRecord.lease_id, DeltaRecord.seq, DeltaRecord.outcome, DeltaRecord.reason)
+                         .order_by(DeltaRecord.seq)).all()
+    engine.dispose()
+    assert {lease: seq for lease, seq, _, _ in rows} == {lease: a[1] for lease, a in acks.items()}
+    assert all(outcome == "merged" and reason is None for _, _, outcome, reason in rows)
+
+    # final weights == an independent replay of the acknowledged bytes in seq order
+    snap = http.get(f"{protocol.API_PREFIX}/runs/{run}/snapshots/latest")
+    params, _ = decode_snapshot(snap.content, schema=param_schema(build_model(cfg.model)))
+    in_order = [(body, base) for body, _, base in sorted(acks.values(), key=lambda a: a[1])]
+    assert_same(params, replay(cfg, in_order))
