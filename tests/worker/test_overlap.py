@@ -142,19 +142,25 @@ def make_worker(coord: FakeCoordinator, tmp_path, *, max_rounds: int, overlap: b
     return w
 
 
+def at_step(w: Worker, lease_id: int, step: int, action) -> None:
+    """Run action() once the worker has taken local step `step` of lease `lease_id`."""
+    real_on_step = w.progress.on_step
+
+    def on_step(s: int, loss: float) -> None:
+        real_on_step(s, loss)
+        if w.progress.lease.lease_id == lease_id and s == step:
+            action()
+
+    w.progress.on_step = on_step
+
+
 def test_the_upload_runs_while_the_next_round_trains(tmp_path):
     coord = FakeCoordinator(keeps=True)
     second_round_trains = threading.Event()
     coord.hold[1] = second_round_trains
     w = make_worker(coord, tmp_path, max_rounds=2, lease_ahead=True)
-    real_on_step = w.progress.on_step
-
-    def on_step(step: int, loss: float) -> None:
-        real_on_step(step, loss)
-        if w.progress.lease.lease_id == 2 and step == STEPS:
-            second_round_trains.set()  # lease 1's upload may answer only now: round 2 trained meanwhile
-
-    w.progress.on_step = on_step
+    # lease 1's upload may answer only now: round 2 trained meanwhile
+    at_step(w, 2, STEPS, second_round_trains.set)
     assert w.run() == 2
     ev = coord.events
     # lease 1's upload left on the upload thread; lease 2 was asked for keeping lease 1, and trained all
@@ -197,15 +203,12 @@ def test_a_kill_with_a_delta_in_flight_delivers_it_exactly_once(tmp_path):
     released = threading.Event()
     coord.hold[1], coord.after_hold[1] = released, "die"  # lease 1 arrives, its answer never does
     w1 = make_worker(coord, tmp_path, max_rounds=5, lease_ahead=True, every=1)
-    real_on_step = w1.progress.on_step
 
-    def on_step(step: int, loss: float) -> None:
-        real_on_step(step, loss)
-        if w1.progress.lease.lease_id == 2 and step == 3:
-            released.set()  # the upload thread dies with the process ...
-            raise Killed("lease 2, step 3")  # ... killed in the middle of round 2
+    def die() -> None:
+        released.set()  # the upload thread dies with the process ...
+        raise Killed("lease 2, step 3")  # ... killed in the middle of round 2
 
-    w1.progress.on_step = on_step
+    at_step(w1, 2, 3, die)
     with pytest.raises(Killed):
         w1.run()
     assert w1._inflight is not None
@@ -231,14 +234,7 @@ def test_a_refused_delta_goes_back_to_the_residual_while_the_next_round_has_trai
     second_round_done = threading.Event()
     coord.hold[1] = second_round_done
     w = make_worker(coord, tmp_path, max_rounds=2, lease_ahead=True)
-    real_on_step = w.progress.on_step
-
-    def on_step(step: int, loss: float) -> None:
-        real_on_step(step, loss)
-        if w.progress.lease.lease_id == 2 and step == STEPS:
-            second_round_done.set()
-
-    w.progress.on_step = on_step
+    at_step(w, 2, STEPS, second_round_done.set)
     seen: dict = {}
     real_take_back = w._take_back
 
