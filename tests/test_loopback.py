@@ -40,6 +40,18 @@ def _wait_healthy(client: httpx.Client, proc: subprocess.Popen, log: Path, timeo
         pytest.fail(f"{exc}:\n{_tail(log)}")
 
 
+def wait_merged(client: httpx.Client, run: str, version: int, *, log: Path | None = None,
+                timeout_s: float = 60) -> dict:
+    """Wait until the run has merged everything queued and reached `version`; its status."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        st = client.get(f"/api/v1/runs/{run}/status").json()
+        if st["pending_deltas"] == 0 and st["version"] >= version:
+            return st
+        assert time.monotonic() < deadline, f"merger did not catch up: {st}" + (f"\n{_tail(log)}" if log else "")
+        time.sleep(0.2)
+
+
 def _stop(proc: subprocess.Popen, sig: int) -> None:
     if proc.poll() is None:
         proc.send_signal(sig)
@@ -97,13 +109,7 @@ def test_two_workers_train_a_model_over_loopback(tmp_path: Path, corpus_dir: Pat
                 assert (tmp_path / f"worker{i}" / "tokens.json").exists()
 
             acknowledged = WORKERS * ROUNDS
-            deadline = time.monotonic() + 60
-            while True:
-                st = client.get("/api/v1/runs/loop/status").json()
-                if st["pending_deltas"] == 0 and st["version"] >= acknowledged:
-                    break
-                assert time.monotonic() < deadline, f"merger did not catch up: {st}\n{_tail(logs / 'coordinator.log')}"
-                time.sleep(0.2)
+            st = wait_merged(client, "loop", acknowledged, log=logs / "coordinator.log")
 
             final = client.post("/api/v1/runs/loop/evaluate")
             assert final.status_code == 200, final.text

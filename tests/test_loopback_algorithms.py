@@ -6,7 +6,6 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,7 +13,7 @@ import httpx
 import pytest
 
 from idletrain.demo import free_port
-from tests.test_loopback import _env, _stop, _tail, _wait_healthy
+from tests.test_loopback import _env, _stop, _tail, _wait_healthy, wait_merged
 
 ROUNDS = 3  # per worker
 WORKERS = 2
@@ -93,13 +92,7 @@ def test_two_workers_train_each_algorithm_over_loopback(loopback, corpus_dir: Pa
         logs.append(log)
 
     acknowledged = WORKERS * ROUNDS
-    deadline = time.monotonic() + 60
-    while True:
-        st = client.get(f"/api/v1/runs/{run}/status").json()
-        if st["pending_deltas"] == 0 and st["version"] >= acknowledged:
-            break
-        assert time.monotonic() < deadline, f"merger did not catch up: {st}\n{_tail(coord_log)}"
-        time.sleep(0.2)
+    st = wait_merged(client, run, acknowledged, log=coord_log)
 
     final = client.post(f"/api/v1/runs/{run}/evaluate")
     assert final.status_code == 200, final.text

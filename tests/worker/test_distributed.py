@@ -10,7 +10,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -24,6 +23,7 @@ from idletrain.demo import free_port, wait_healthy
 from shared import protocol
 from shared.config import CompressionConfig, InnerConfig
 from shared.model import ModelConfig, build_model, get_params
+from tests.test_loopback import wait_merged
 from worker import distributed
 from worker.trainer import LocalTrainer, RoundSuspended
 
@@ -240,13 +240,7 @@ def test_a_torchrun_worker_of_two_processes_trains_against_a_coordinator(tmp_pat
             assert f"worker done: {ROUNDS} rounds delivered" in log, log[-4000:]
             assert f"rank 0 stopped after {ROUNDS} rounds trained together" in log, log[-4000:]
 
-            deadline = time.monotonic() + 30
-            while True:
-                st = client.get("/api/v1/runs/dist/status").json()
-                if st["pending_deltas"] == 0 and st["version"] >= ROUNDS:
-                    break
-                assert time.monotonic() < deadline, f"merger did not catch up: {st}"
-                time.sleep(0.2)
+            st = wait_merged(client, "dist", ROUNDS, timeout_s=30)
             assert st["merged_deltas"] == ROUNDS and st["rejected_deltas"] == 0
             assert st["workers_total"] == 1  # one worker to the coordinator: only rank 0 registered
             assert st["tokens_trained"] == ROUNDS * STEPS * BATCH * CONTEXT  # the batch counted once
