@@ -438,10 +438,17 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(workers=args.workers, minutes=args.minutes, as_json=args.json, keep=args.keep)
 
 
-def cmd_bench_convergence(args: argparse.Namespace) -> int:
+def _can_plot() -> bool:
+    """Whether matplotlib (the bench extra) is installed: every benchmark writes a plot."""
     try:
         import matplotlib  # noqa: F401
     except ImportError:
+        return False
+    return True
+
+
+def cmd_bench_convergence(args: argparse.Namespace) -> int:
+    if not _can_plot():
         return _fail("the benchmark plots with matplotlib: pip install 'idletrain[bench]'")
     from bench.convergence import PROFILES, run
 
@@ -460,9 +467,7 @@ def cmd_bench_convergence(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_merge(args: argparse.Namespace) -> int:
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
+    if not _can_plot():
         return _fail("the benchmark plots with matplotlib: pip install 'idletrain[bench]'")
     from bench.merge import INDEX_KINDS, PARAM_MODELS, run
 
@@ -488,9 +493,7 @@ def cmd_bench_merge(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_load(args: argparse.Namespace) -> int:
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
+    if not _can_plot():
         return _fail("the benchmark plots with matplotlib: pip install 'idletrain[bench]'")
     from bench.load import DEFAULT_PG_URL, PULL_MODES, model_configs, run
 
@@ -519,9 +522,7 @@ def cmd_bench_load(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_utilisation(args: argparse.Namespace) -> int:
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
+    if not _can_plot():
         return _fail("the benchmark plots with matplotlib: pip install 'idletrain[bench]'")
     from bench.utilisation import MODES, run
 
