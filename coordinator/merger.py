@@ -37,10 +37,6 @@ class Merger:
         self._thread = threading.Thread(target=self._loop, name="idletrain-merger", daemon=True)
         self._thread.start()
 
-    @property
-    def running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
-
     def stop(self, timeout: float = 30.0, *, checkpoint: bool = True) -> None:
         """Stop merging; checkpoint each run (not when this process lost the merger lock: another
         process merges now, and the database, not this memory, is what counts)."""

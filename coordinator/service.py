@@ -790,10 +790,9 @@ class Coordinator:
 
     def _count_rejection(self, worker_id: int, run_id: int, size: int) -> None:
         with self.sessions() as s:
-            s.execute(update(Worker).where(Worker.id == worker_id).values(
-                deltas_rejected=Worker.deltas_rejected + 1, bytes_up=Worker.bytes_up + size))
-            s.execute(update(Run).where(Run.id == run_id).values(bytes_up=Run.bytes_up + size))
+            s.execute(update(Worker).where(Worker.id == worker_id).values(deltas_rejected=Worker.deltas_rejected + 1))
             s.commit()
+        self.traffic.add(run_id, worker_id, up=size)  # the bytes came all the same (coordinator/traffic.py)
 
     # -- evaluation ---------------------------------------------------------------------------
 
