@@ -32,7 +32,6 @@ import torch
 from coordinator.storage import Storage
 from shared import codec
 from shared.algorithms import robust, sparta
-from shared.algorithms.compress import VALUE_KINDS
 from shared.algorithms.outer import FlatOuter, OuterState, staleness_weight
 from shared.config import RunConfig
 from shared.errors import DeltaFormatError
@@ -247,21 +246,14 @@ class RunRuntime:
 
         Replay passes the recorded exchange_id; live exchanges set it once their row is committed."""
         cfg = self.config.sparta
-        self.outer.flush()  # the weights' deferred share of the pending deltas goes into T first
-        if self.outer.carry == 0.0:  # the weights are T itself: sparta's own code on views of it
-            correction = sparta.mix_into_centre(self.outer.views(self.outer.t), sent, alpha=cfg.alpha,
-                                                values=cfg.values)
-        else:  # the same arithmetic on theta = T - C M, written through T
-            out = []
-            with torch.no_grad():
-                for e in sent.entries:
-                    idx = torch.from_numpy(e.indices) + self.outer.offsets[e.name]
-                    d = cfg.alpha * (torch.from_numpy(np.asarray(e.values, dtype=np.float32))
-                                     - self.outer.weights_at(idx))
-                    self.outer.t.index_add_(0, idx, d)
-                    out.append(codec.Entry(e.name, e.numel, codec.IndexKind.SEEDED, VALUE_KINDS[cfg.values],
-                                           d.numpy(), e.indices, e.seed))
-            correction = codec.Delta(base_version=sent.base_version, entries=tuple(out))
+        # sparta's mix on theta = T - C M (T itself while C = 0), written through T; weights_at first
+        # flushes the weights' deferred share of the pending deltas into T
+        def flat(e: codec.Entry) -> torch.Tensor:
+            return torch.from_numpy(e.indices) + self.outer.offsets[e.name]
+
+        correction = sparta.mix(lambda e: self.outer.weights_at(flat(e)),
+                                lambda e, d: self.outer.t.index_add_(0, flat(e), d),
+                                sent, alpha=cfg.alpha, values=cfg.values)
         if exchange_id is not None:
             self.last_exchange_id = exchange_id
         return correction

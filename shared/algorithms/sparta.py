@@ -13,7 +13,7 @@ in flight are kept: training never blocks on the network.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import numpy as np
 import torch
@@ -47,13 +47,25 @@ def mix_into_centre(centre: Mapping[str, torch.Tensor], sent: codec.Delta, *, al
                     values: str) -> codec.Delta:
     """The coordinator's side: pull the centre toward the sent values (in place); returns the
     correction d for the worker, on the same seeded indices."""
+
+    def at(e: codec.Entry) -> torch.Tensor:
+        return centre[e.name].view(-1)[torch.from_numpy(e.indices)]
+
+    def add(e: codec.Entry, d: torch.Tensor) -> None:
+        centre[e.name].view(-1).index_add_(0, torch.from_numpy(e.indices), d)
+
+    return mix(at, add, sent, alpha=alpha, values=values)
+
+
+def mix(at: Callable[[codec.Entry], torch.Tensor], add: Callable[[codec.Entry, torch.Tensor], None],
+        sent: codec.Delta, *, alpha: float, values: str) -> codec.Delta:
+    """mix_into_centre over any storage of the centre: at(entry) reads its values at the entry's
+    indices, add(entry, d) adds d there (the coordinator keeps its centre as one flat vector)."""
     out = []
     with torch.no_grad():
         for e in sent.entries:
-            c = centre[e.name].view(-1)
-            idx = torch.from_numpy(e.indices)
-            d = alpha * (torch.from_numpy(np.asarray(e.values, dtype=np.float32)) - c[idx])
-            c.index_add_(0, idx, d)
+            d = alpha * (torch.from_numpy(np.asarray(e.values, dtype=np.float32)) - at(e))
+            add(e, d)
             out.append(codec.Entry(e.name, e.numel, codec.IndexKind.SEEDED, VALUE_KINDS[values],
                                    d.numpy(), e.indices, e.seed))
     return codec.Delta(base_version=sent.base_version, entries=tuple(out))
