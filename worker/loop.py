@@ -206,7 +206,7 @@ class Worker:
         self.suspended = False  # the last round was set aside while paused (RoundSuspended)
         self._inflight: _Upload | None = None  # the delta uploading in the background (settings.overlap)
         # Ask for the next lease while a delta still uploads: only of a coordinator that keeps that
-        # lease (None: as /healthz says, `keeps_delivering_lease`; the coordinator does not say so today).
+        # lease (None: as its /healthz says, `keeps_delivering_lease`; older coordinators do not say it).
         self.lease_ahead: bool | None = None
         self._prefetch: _Prefetch | None = None  # the next lease, fetched during the end of a round
         self._prefetch_s = 1.0  # how long the last prefetch took: when to start the next one
