@@ -635,7 +635,7 @@ def _run(mcfg, *, model: str, workers: list[int], think_s: float, duration_s: fl
                 break
         responsive = proc.poll() is None and rows[-1]["merge_queue_end"] is not None
         if update_probe and responsive:
-            meta["update_probe"] = _update_probe(url, http)
+            meta["update_probe"] = _update_probe(url, http, db_url, run_id)
         final, _ = _status(url, http, patience_s=60) if responsive else (None, 0)
         if final:
             meta["final_status"] = {k: final.get(k) for k in ("version", "merged_deltas", "pending_deltas",
@@ -833,18 +833,31 @@ def _pg_activity(db_url: str, t_end: float, period: float = 0.5) -> dict:
     return out
 
 
-def _update_probe(url: str, http: httpx.Client) -> dict | None:
-    """One incremental update at the benchmark's model: GET updates/{v-1}/{v} twice (the first
-    builds it from two snapshots, the second reads it back)."""
+def _update_probe(url: str, http: httpx.Client, db_url: str, run_id: int) -> dict | None:
+    """One incremental update at the benchmark's model: GET updates/{a}/{b} twice between the two
+    newest versions that have a snapshot (the first builds it from them, the second reads it back)."""
+    from sqlalchemy import create_engine, select
+
+    from coordinator.models import ModelVersion
+
     st, _ = _status(url, http)
-    if st is None or st["version"] < 1:
+    if st is None:
         return None
-    v = st["version"]
-    out: dict = {"from": v - 1, "to": v}
+    engine = create_engine(db_url)
+    try:
+        with engine.connect() as conn:
+            kept = conn.execute(select(ModelVersion.version).where(ModelVersion.run_id == run_id)
+                                .order_by(ModelVersion.version.desc()).limit(2)).scalars().all()
+    finally:
+        engine.dispose()
+    if len(kept) < 2:
+        return None
+    b, a = kept
+    out: dict = {"from": a, "to": b}
     for label in ("first_s", "again_s"):
         t0 = time.perf_counter()
         try:
-            resp = http.get(f"{API}/runs/{RUN}/updates/{v - 1}/{v}", timeout=300)
+            resp = http.get(f"{API}/runs/{RUN}/updates/{a}/{b}", timeout=300)
         except httpx.HTTPError as exc:
             out["detail"] = repr(exc)
             return out
