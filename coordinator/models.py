@@ -65,7 +65,9 @@ class Worker(Base):
 
 class Shard(Base):
     __tablename__ = "shards"
-    __table_args__ = (UniqueConstraint("run_id", "index"), Index("ix_shards_pick", "run_id", "state", "index"))
+    # grant_lease reads the first pending shard by (times_trained, index): one step of this index
+    __table_args__ = (UniqueConstraint("run_id", "index"),
+                      Index("ix_shards_pick", "run_id", "state", "times_trained", "index"))
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     run_id: Mapped[int] = mapped_column(ForeignKey("runs.id"))
     index: Mapped[int] = mapped_column(Integer)  # position in the corpus
