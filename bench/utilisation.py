@@ -25,9 +25,9 @@ the trainer's rounds (the local steps and the delta's compression); wall include
 snapshot download, every lease request, incremental model download, shard download, state save,
 and every second of upload the training did not hide. The modes run interleaved, `repeats` times,
 on the same coordinator, so a busy machine disturbs them alike; the median is reported. Each worker
-run trains a run of its own (util-<mode>-<repeat>) from the same initial model: in one shared run,
-fresh workers joining a model trained further by the ones before had deltas rejected by the robust
-screening (throttled, banned), whatever the mode.
+run trains a run of its own (util-<mode>-<repeat>) from the same initial model, so every mode
+starts alike (docs/BENCHMARKS.md: what a shared run did to the screening before workers started
+their rounds past their own unmerged deltas).
 Writes results.json, results.md and utilisation.png.
 """
 
@@ -139,9 +139,8 @@ def run_config(*, name: str, steps: int, batch: int, model: ModelConfig, shard_t
         "model": dataclasses.asdict(model),
         "inner": {"steps": steps, "batch_size": batch, "lr": 1e-3, "warmup_steps": min(5, steps)},
         "compression": {"index": "dense", "values": "int8"},
-        # The run's robust screening as configured by default, unless relaxed: a lone worker leasing ahead
-        # trains each round from the version before its previous delta, and in one trial the screening
-        # (min_cosine -0.1) rejected 4 of its 7 deltas and banned it (docs/BENCHMARKS.md).
+        # The run's robust screening as configured by default, unless relaxed (docs/BENCHMARKS.md: a
+        # worker whose rounds started from a base without its own previous delta was once rejected).
         "robust": {"min_cosine": -1.0} if relax_screening else {},
     }
 

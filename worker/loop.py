@@ -162,6 +162,15 @@ class _Upload:
 
 
 @dataclasses.dataclass
+class _Own:
+    """A delta this worker sent (or is sending): its version once acknowledged."""
+
+    lease_id: int
+    body: bytes
+    seq: int | None = None
+
+
+@dataclasses.dataclass
 class _Prefetch:
     """The next lease, its base model and its shard, fetched on a background thread near the end of
     the round before (lease_ahead): `lease` is None when there was no work or the fetch failed."""
@@ -211,6 +220,8 @@ class Worker:
         self._prefetch: _Prefetch | None = None  # the next lease, fetched during the end of a round
         self._prefetch_s = 1.0  # how long the last prefetch took: when to start the next one
         self._saver: threading.Thread | None = None  # the end-of-round state on its way to disk (overlap)
+        # this worker's recent deltas (diloco) that a new lease's base may not hold yet: see _ahead_of
+        self._own: list[_Own] = []
         # manners, progress, the control channel
         rules = settings.rules()
         self.transfer = DailyTransfer(settings.state_dir / "transfer.json", cap_bytes=rules.daily_transfer_bytes)
@@ -434,6 +445,9 @@ class Worker:
                      lease.lease_id, len(unsent.body) / 1024)
             ack = self._deliver(lease, unsent.body, redelivery=True)
             if ack is not None:
+                if lease.algorithm == "diloco" and all(o.lease_id != lease.lease_id for o in self._own):
+                    self._own.append(_Own(lease.lease_id, unsent.body))  # saved before a restart
+                self._own_acked(lease.lease_id, ack)
                 self._acked()
                 log.info("lease %d: delivered -> v%d%s", lease.lease_id, ack.will_merge_into,
                          " (it had arrived before)" if ack.duplicate else "")
@@ -469,6 +483,7 @@ class Worker:
         rounds: another round may have trained since, so by its bytes), and to disk: into the saved
         round's residual when a round waits there to resume (set aside, or interrupted), else with
         the trainer's state."""
+        self._own = [o for o in self._own if o.lease_id != lease.lease_id]  # it will never be merged
         try:
             self.trainer.undeliverable_body(body)
             self._join_saver()
@@ -482,6 +497,38 @@ class Worker:
                 self._save(saved)
         except (ValueError, KeyError) as err:
             log.warning("lease %d: the refused delta does not fit the model (%s)", lease.lease_id, err)
+
+    # -- own deltas a new base does not hold yet --------------------------------------------------
+
+    OWN_KEEP = 8  # at most this many own deltas are carried into a round's start
+
+    def _own_acked(self, lease_id: int, ack: protocol.DeltaAccepted) -> None:
+        for own in self._own:
+            if own.lease_id == lease_id:
+                own.seq = ack.will_merge_into
+
+    def _ahead_of(self, lease: protocol.Lease, base: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor] | None:
+        """The sum of this worker's own pseudo-gradients that `lease`'s base does not hold: those
+        still uploading or queued (no sequence number yet) and those acknowledged as a version above
+        the base. A lease taken while the last delta uploads (lease_ahead), or a base behind the
+        merge queue, lacks them; the trainer then starts from base - ahead (train_round) and this
+        round does not learn, and send, their progress a second time."""
+        self._own = [o for o in self._own if o.seq is None or o.seq > lease.base_version][-self.OWN_KEEP:]
+        if lease.algorithm != "diloco" or base is None or not self._own:
+            return None
+        schema = {n: tuple(t.shape) for n, t in base.items()}
+        ahead: dict[str, torch.Tensor] = {}
+        for own in self._own:
+            try:
+                sent = delta_to_tensors(codec.decode(own.body, schema=schema), schema)
+            except (DeltaFormatError, ValueError, KeyError):  # another model: not part of this run's progress
+                continue
+            for name, t in sent.items():
+                ahead[name] = ahead[name] + t if name in ahead else t.clone()
+        if ahead:
+            log.debug("lease %d: starting from version %d minus %d own delta(s) not merged into it yet",
+                      lease.lease_id, lease.base_version, len(self._own))
+        return ahead or None
 
     # -- the upload in the background -----------------------------------------------------------
 
@@ -525,6 +572,7 @@ class Worker:
                         _why(outcome))
             self._take_back(up.lease, up.result.body)
             return
+        self._own_acked(up.lease.lease_id, outcome)
         self.rounds += 1
         self._log_round(up.lease, up.result, outcome)
 
@@ -625,13 +673,14 @@ class Worker:
         self.publish()
         keeper = LeaseKeeper(lease.lease_id, lease.deadline, renew=lambda i: self.client.renew(i).deadline,
                              progress=lambda: self.progress.step)
+        ahead = self._ahead_of(lease, base) if resume is None else None
         try:
             with keeper:  # renews the lease while the round moves (a slow machine keeps its shard)
                 result = self.trainer.train_round(
                     lease, base, tokens, exchange=self._exchange_for(lease.lease_id), resume=resume,
                     checkpoint=self._save, checkpoint_every=self.settings.checkpoint_every_steps,
                     on_step=self._step_hook(lease),
-                    gate=lambda step, save: self.governor.hold(lease, step, save, self.stop.event))
+                    gate=lambda step, save: self.governor.hold(lease, step, save, self.stop.event), ahead=ahead)
         except RoundSuspended as exc:
             log.info("lease %d: round set aside at step %d/%d (saved; it resumes when training may go on)",
                      lease.lease_id, exc.step, lease.inner.steps)
@@ -639,6 +688,8 @@ class Worker:
             self.suspended = True
             return
         self.progress.utilisation.add_compute(result.seconds)
+        if lease.algorithm == "diloco":
+            self._own.append(_Own(lease.lease_id, result.body))
         self.progress.set_phase("uploading")
         self._save_unsent(lease, result.body)  # before the trainer's state: see _restore
         self._save_trainer()
@@ -653,6 +704,7 @@ class Worker:
             self.progress.end_round()
         if ack is None:
             return
+        self._own_acked(lease.lease_id, ack)
         self._acked()
         self._log_round(lease, result, ack)
 

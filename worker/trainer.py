@@ -209,7 +209,7 @@ class LocalTrainer:
                     exchange: ExchangeFn | None = None,
                     resume: RoundState | None = None,
                     checkpoint: CheckpointFn | None = None, checkpoint_every: int = 0,
-                    gate: GateFn | None = None) -> RoundResult:
+                    gate: GateFn | None = None, ahead: Mapping[str, torch.Tensor] | None = None) -> RoundResult:
         """One round. `base` (the lease's snapshot) may be None when needs_snapshot() is False.
         `exchange` sends the sparta exchanges of this lease; without it a sparta round trains alone.
 
@@ -220,7 +220,15 @@ class LocalTrainer:
 
         `gate(step, save)` runs after each step but the last; it may block, and it calls save() to
         checkpoint the round before a long wait (through `checkpoint`; nothing is saved twice for
-        one step). When it answers False, train_round raises RoundSuspended."""
+        one step). When it answers False, train_round raises RoundSuspended.
+
+        `ahead` (diloco, a new round): the sum of this worker's own pseudo-gradients that the base
+        does not hold yet (delivered, or still uploading, after the coordinator cut this base). The
+        round starts from base - ahead, where the coordinator's model is headed once it merges them,
+        and its pseudo-gradient is taken against that start: this round's progress only. Started
+        from the bare base instead, the round would learn those deltas' progress again and send it
+        twice -- an overshoot the coordinator's screening sees as a delta pointing against the
+        consensus (docs/BENCHMARKS.md)."""
         if lease.algorithm not in ALGORITHMS:
             raise ValueError(f"this worker does not know the algorithm {lease.algorithm!r} "
                              f"(it knows {', '.join(ALGORITHMS)}): upgrade idletrain")
@@ -242,6 +250,8 @@ class LocalTrainer:
         if not keep:
             if base is None:
                 raise ValueError(f"lease {lease.lease_id} needs its snapshot (version {lease.base_version})")
+            if ahead and lease.algorithm == "diloco":
+                base = {n: t - ahead[n].to(t.device, t.dtype) if n in ahead else t for n, t in base.items()}
             set_params(model, {n: t.to(self.device) for n, t in base.items()})
         if lease.algorithm != "sparta" and base is None:  # the pseudo-gradient is base - local
             raise ValueError(f"lease {lease.lease_id} needs the snapshot it started from "

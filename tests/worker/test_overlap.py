@@ -54,6 +54,7 @@ class FakeCoordinator:
         self.sha = hashlib.sha256(self.raw).hexdigest()
         self.snapshot = encode_snapshot(get_params(build_model(MODEL)))
         self.compression = CompressionConfig(index="topk", fraction=0.1, values="int8")
+        self.base_version = lambda: 0  # the version a new lease hands out
 
     def note(self, *event) -> None:
         with self.lock:
@@ -88,13 +89,16 @@ class FakeClient:
             c.leases[lid] = "active"
         c.note("lease", lid, keep)
         return protocol.Lease(
-            lease_id=lid, run=run, shard_id=0, shard_sha256=c.sha, base_version=0, seed=lid, lr=3e-3,
+            lease_id=lid, run=run, shard_id=0, shard_sha256=c.sha, base_version=c.base_version(), seed=lid, lr=3e-3,
             inner=InnerConfig(steps=STEPS, batch_size=2, warmup_steps=0), compression=c.compression,
             model=MODEL.to_dict(), deadline=datetime(2030, 1, 1, tzinfo=UTC)), 0.0
 
     def snapshot(self, run: str, version) -> tuple[bytes, int]:
         self.c.note("snapshot", version)
-        return self.c.snapshot, 0
+        return self.c.snapshot, int(version)  # the same weights under every version number
+
+    def model_update(self, run: str, start: int, end: int) -> bytes:
+        raise CoordinatorError(404, "no updates here: fetch the snapshot")
 
     def shard(self, run: str, index: int, *, expected_sha256: str) -> bytes:
         self.c.note("shard", index)
@@ -357,3 +361,59 @@ def test_the_next_lease_its_model_and_shard_are_fetched_before_the_round_ends(tm
         assert [e for e in between if e[0] in ("lease", "snapshot", "shard")] == []
     assert [e[:2] for e in coord.events if e[0] == "lease"] == [("lease", 1), ("lease", 2), ("lease", 3)]
     assert coord.stored.keys() == {1, 2, 3}
+
+
+def record_rounds(w: Worker) -> list[tuple[int, dict | None, bytes]]:
+    """(lease id, the `ahead` its round started with, its delta body) of every round the worker trains."""
+    rounds, real = [], w.trainer.train_round
+
+    def train_round(lease, base, tokens, **kw):
+        result = real(lease, base, tokens, **kw)
+        rounds.append((lease.lease_id, kw.get("ahead"), result.body))
+        return result
+
+    w.trainer.train_round = train_round
+    return rounds
+
+
+def sent(body: bytes) -> dict[str, torch.Tensor]:
+    return delta_to_tensors(codec.decode(body, schema=SCHEMA), SCHEMA)
+
+
+def assert_ahead(got: dict | None, bodies: list[bytes]) -> None:
+    assert got is not None and set(got) == set(SCHEMA)
+    want = [sent(b) for b in bodies]
+    for n in SCHEMA:
+        assert torch.allclose(got[n], sum(w[n] for w in want), atol=1e-7), n
+
+
+def test_a_round_leased_ahead_starts_past_the_own_deltas_its_base_lacks(tmp_path):
+    """With the next lease taken while the last delta uploads, its base cannot hold that delta:
+    the round starts from base - (own deltas not in it), so it does not learn and send their
+    progress twice. Deltas acknowledged as versions the base holds drop out."""
+    coord = FakeCoordinator(keeps=True)
+    w = make_worker(coord, tmp_path, max_rounds=3, lease_ahead=True)
+    rounds = record_rounds(w)
+    assert w.run() == 3
+    (l1, a1, b1), (l2, a2, b2), (l3, a3, b3) = rounds
+    assert (l1, l2, l3) == (1, 2, 3) and a1 is None
+    assert_ahead(a2, [b1])  # every lease hands out version 0: no delta of this worker is in it
+    assert_ahead(a3, [b1, b2])
+
+    coord2 = FakeCoordinator(keeps=True)
+    coord2.base_version = lambda: len(coord2.stored)  # a base that holds every delta stored so far
+    w2 = make_worker(coord2, tmp_path / "w2", max_rounds=3, overlap=False)
+    rounds2 = record_rounds(w2)
+    assert w2.run() == 3
+    assert [a for _, a, _ in rounds2] == [None, None, None]
+
+
+def test_a_refused_delta_is_not_carried_into_the_next_start(tmp_path):
+    coord = FakeCoordinator(keeps=True)
+    coord.refuse.add(1)
+    w = make_worker(coord, tmp_path, max_rounds=2, overlap=False)
+    rounds = record_rounds(w)
+    assert w.run() == 2
+    assert [lid for lid, _, _ in rounds] == [1, 2, 3]
+    assert rounds[1][1] is None  # lease 1's delta went back to the residual instead
+    assert_ahead(rounds[2][1], [rounds[1][2]])

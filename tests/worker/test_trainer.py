@@ -172,3 +172,25 @@ def test_a_new_model_shape_starts_fresh(tokens):
     assert tr.steps_done == 4  # the counter restarted with the new model
     assert {tuple(t.shape) for t in tr.residual.values()} == set(schema.values())
 
+
+
+def test_a_round_ahead_of_its_base_starts_from_base_minus_own_deltas(tokens):
+    """`ahead` (the worker's own deltas the base does not hold yet): the round starts from base -
+    ahead and its pseudo-gradient is taken against that start, exactly as if the coordinator had
+    handed out base - ahead; the base itself is left alone."""
+    base = base_params()
+    first = LocalTrainer(torch.device("cpu")).train_round(make_lease(seed=4), base, tokens)
+    ahead = sent_of(first.body)
+    assert sum(t.abs().sum() for t in ahead.values()) > 0
+    lease = make_lease(seed=5, lease_id=2)
+    got = LocalTrainer(torch.device("cpu")).train_round(lease, base, tokens, ahead=ahead)
+    want = LocalTrainer(torch.device("cpu")).train_round(lease, {n: t - ahead[n] for n, t in base.items()}, tokens)
+    assert got.body == want.body and got.losses == want.losses
+    plain = LocalTrainer(torch.device("cpu")).train_round(lease, base, tokens)
+    assert plain.body != got.body
+    assert all(torch.equal(base[n], t) for n, t in base_params().items())
+    # sparta rounds have no pseudo-gradient to correct: `ahead` changes nothing there
+    sparta = make_lease(seed=5, lease_id=3).model_copy(update={"algorithm": "sparta"})
+    a = LocalTrainer(torch.device("cpu")).train_round(sparta, base, tokens, ahead=ahead)
+    b = LocalTrainer(torch.device("cpu")).train_round(sparta, base, tokens)
+    assert a.losses == b.losses
