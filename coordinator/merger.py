@@ -64,7 +64,36 @@ class Merger:
                 self.last_error = repr(exc)
                 self._stop.wait(1.0)
             if not worked:
+                try:
+                    for rt in self.coord.runtime_list():
+                        self.catch_up_snapshot(rt)
+                except Exception as exc:
+                    log.exception("snapshot error")
+                    self.last_error = repr(exc)
                 self._stop.wait(self.coord.settings.merge_idle_s)
+
+    def catch_up_snapshot(self, rt: RunRuntime, *, force: bool = False) -> bool:
+        """Idle: write the snapshot of the newest version if merging held it back (snapshot_duty)
+        and the duty allows it now (force: whatever the duty). True if one was written."""
+        if rt.snapshot_version is None:
+            with self.coord.sessions() as s:
+                rt.snapshot_version = self.coord._newest_snapshot(s, rt.run_id)
+        if rt.version <= rt.snapshot_version or not (force or rt.snapshot_allowed(self.coord.settings.snapshot_duty)):
+            return False
+        with rt.lock:  # exchanges (sparta) may be changing the weights meanwhile
+            version = rt.version
+            sha, size = rt.write_snapshot()
+        with self.coord.sessions() as s:
+            # fenced: only while the database's newest version is the one written (no other merger moved it)
+            if s.scalar(select(Run.version).where(Run.id == rt.run_id)) != version or s.scalar(
+                    select(ModelVersion.id).where(ModelVersion.run_id == rt.run_id,
+                                                  ModelVersion.version == version)) is not None:
+                return False
+            s.add(ModelVersion(run_id=rt.run_id, version=version, sha256=sha, size_bytes=size))
+            s.commit()
+        log.debug("run %s: snapshot of version %d written at idle (%.2f s)", rt.config.name, version,
+                  rt.snapshot_cost_s)
+        return True
 
     def drain(self) -> int:
         """Merge everything queued now, synchronously (tests and shutdown use it)."""
@@ -95,8 +124,10 @@ class Merger:
         if not items:
             return 0
         last = items[-1][0]
-        # a snapshot every snapshot_every versions, and always when the batch empties the queue
-        snapshot = last % settings.snapshot_every == 0 or not any(seq == last + 1 for seq, _ in rows)
+        # a snapshot every snapshot_every versions, and when the batch empties the queue, within the
+        # snapshots' share of the merger's time (settings.snapshot_duty; the idle loop catches up)
+        snapshot = ((last % settings.snapshot_every == 0 or not any(seq == last + 1 for seq, _ in rows))
+                    and rt.snapshot_allowed(settings.snapshot_duty))
         t0 = time.perf_counter()
         # The version is committed before the lock is released: an exchange that follows this
         # merge (and records after_version = this version) can never be ahead of the database.

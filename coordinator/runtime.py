@@ -20,7 +20,9 @@ import dataclasses
 import hashlib
 import json
 import logging
+import math
 import threading
+import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -36,7 +38,7 @@ from shared.algorithms.outer import FlatOuter, OuterState, staleness_weight
 from shared.config import RunConfig
 from shared.errors import DeltaFormatError
 from shared.model import TransformerLM, build_model, evaluate_loss, get_params, param_schema, set_params
-from shared.snapshot import encode_snapshot
+from shared.snapshot import encode_snapshot_flat
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +83,11 @@ class RunRuntime:
                                             n_params=sum(p.numel() for p in self.model.parameters()))
         self._eval_tokens: torch.Tensor | None = None
         self.lock = threading.Lock()  # held while the state changes or is read (evaluation, snapshot, checkpoint)
+        # the last snapshot this process wrote: its version (None: not known yet, ask the database),
+        # how long it took and when it ended (time.monotonic()): see snapshot_allowed
+        self.snapshot_version: int | None = None
+        self.snapshot_cost_s = 0.0
+        self.snapshot_done_at = -math.inf
 
     @property
     def state(self) -> OuterState:
@@ -100,11 +107,26 @@ class RunRuntime:
 
     def write_snapshot(self) -> tuple[str, int]:
         """Write the current weights as version `self.version`; returns (sha256, size)."""
-        blob = encode_snapshot(self.outer.params(), metadata={
+        t0 = time.monotonic()
+        blob = encode_snapshot_flat(self.outer.weights_flat(), self.outer.shapes, metadata={
             "run": self.config.name, "version": str(self.version),
             "model": json.dumps(self.config.model.to_dict())})
         self.storage.write(self.storage.snapshot(self.run_id, self.version), blob)
+        self.snapshot_done_at = time.monotonic()
+        self.snapshot_cost_s, self.snapshot_version = self.snapshot_done_at - t0, self.version
         return hashlib.sha256(blob).hexdigest(), len(blob)
+
+    SNAPSHOT_FREE_S = 0.25  # snapshots quicker than this are never held back
+
+    def snapshot_allowed(self, duty: float, now: float | None = None) -> bool:
+        """Whether a snapshot may be written now and keep snapshots within `duty` of the merger's
+        time: the last one's cost must be at most `duty` of the time from its start to now. A 124M
+        model's snapshot takes seconds (encode and write ~0.5 GB); written every few versions under
+        load it would take all the merger's time. Quick ones (small models) always may."""
+        if self.snapshot_cost_s < self.SNAPSHOT_FREE_S:
+            return True
+        now = time.monotonic() if now is None else now
+        return now - self.snapshot_done_at >= self.snapshot_cost_s * (1.0 / duty - 1.0)
 
     def write_checkpoint(self) -> Path:
         """Atomically write the state as checkpoints/<version>.ckpt; keep the newest few."""

@@ -26,6 +26,11 @@ class CoordinatorSettings(BaseSettings):
     snapshot_every: int = Field(1, ge=1, description="write a snapshot every N merged versions, and whenever the "
                                                      "queue runs dry; leases hand out the newest snapshot (raise it "
                                                      "for large models: a 124M snapshot takes seconds to write)")
+    snapshot_duty: float = Field(0.2, gt=0, le=1, description="most of the merger's time snapshots may take: a "
+                                  "snapshot due (snapshot_every, or the queue ran dry) waits until the last one's "
+                                  "cost is at most this share of the time since it began, and the newest version "
+                                  "gets its snapshot once the merger is idle and that allows. Snapshots under "
+                                  "0.25 s are never held back")
     merge_idle_s: float = Field(0.05, gt=0, description="merger's sleep when nothing is queued")
     processes: int = Field(1, ge=1, le=256, description="HTTP processes `serve` starts on one port (PostgreSQL "
                                                          "only); one of them merges at a time")

@@ -72,3 +72,41 @@ def _merge_without_snapshot(merge_batch):
         return merge_batch(self, items, write_snapshot=False, prefetch=prefetch)
 
     return patched
+
+
+def test_costly_snapshots_keep_to_their_share_of_the_merger_time(tmp_path, open_api, run_config, make_delta):
+    """snapshot_duty: while the last snapshot's cost is more than that share of the time since it
+    began, merges write none (not even when the queue runs dry); the idle merger writes the newest
+    version's once the share allows, and leases then hand it out."""
+    import time
+
+    settings = CoordinatorSettings(data_dir=tmp_path / "c", snapshot_every=1, snapshot_duty=0.2)
+    cfg = run_config(shard_tokens=2048)
+    with open_api(settings) as api:
+        api.create_run(cfg)
+        rt = api.runtime()
+        assert rt.snapshot_allowed(0.2)  # nothing written yet by this process: free
+        rt.snapshot_cost_s, rt.snapshot_done_at = 10.0, time.monotonic()  # as if a 10 s snapshot just ended
+        assert not rt.snapshot_allowed(0.2) and not rt.snapshot_allowed(0.2, now=rt.snapshot_done_at + 39.9)
+        assert rt.snapshot_allowed(0.2, now=rt.snapshot_done_at + 40.0)  # 10 s is 20% of the 50 s since it began
+        assert rt.snapshot_allowed(1.0)
+        workers = [api.register() for _ in range(2)]
+        sent = []
+        for h in workers:
+            lease = api.lease(h)
+            body = make_delta(lease, seed=lease.lease_id)
+            api.accept(lease.lease_id, body, h)
+            sent.append((body, lease.base_version))
+        assert api.drain() == 2
+        assert api.status()["version"] == 2 and _versions(api) == [0]  # held back
+        assert api.lease(api.register()).base_version == 0
+        assert not api.merger.catch_up_snapshot(rt)  # idle, but still within the 10 s snapshot's share
+        rt.snapshot_done_at -= 40.0
+        assert api.merger.catch_up_snapshot(rt)
+        assert _versions(api) == [0, 2] and rt.snapshot_version == 2
+        assert not api.merger.catch_up_snapshot(rt, force=True)  # nothing newer to write
+        assert api.lease(api.register()).base_version == 2
+        params, _ = decode_snapshot(api.snapshot("latest"), schema=schema_of(lease))
+        assert_same(params, replay(RunConfig.model_validate(cfg), sent))
+        # a quick snapshot (this small model's) is never held back
+        assert rt.snapshot_cost_s < RunRuntime.SNAPSHOT_FREE_S and rt.snapshot_allowed(0.01)

@@ -11,7 +11,7 @@ import torch
 import zstandard
 
 from shared.errors import SnapshotError
-from shared.snapshot import decode_snapshot, encode_snapshot, max_snapshot_bytes
+from shared.snapshot import decode_snapshot, encode_snapshot, encode_snapshot_flat, max_snapshot_bytes
 
 SCHEMA = {"a.weight": (4, 3), "b": (5,)}
 
@@ -134,3 +134,27 @@ def test_max_snapshot_bytes_fits_real_snapshots():
     raw = zstandard.ZstdDecompressor().decompress(encode_snapshot(p, metadata={"k": "v" * 1000}))
     assert len(raw) <= max_snapshot_bytes(schema)
     assert max_snapshot_bytes(schema) < 4 * 20 * 64 * 64 + 128 * 1024
+
+
+def test_from_one_flat_vector_the_same_bytes(monkeypatch):
+    """encode_snapshot_flat (the coordinator's flat weights) writes what encode_snapshot writes for
+    the same tensors, byte for byte, also when the data goes to zstd in several pieces; safetensors'
+    own reader reads it."""
+    import shared.snapshot as snap
+
+    p = params(3)
+    flat = torch.cat([p[n].reshape(-1) for n in SCHEMA])
+    meta = {"version": "9", "run": "t"}
+    buf = encode_snapshot_flat(flat, SCHEMA, metadata=meta)
+    assert buf == encode_snapshot(p, metadata=meta)
+    monkeypatch.setattr(snap, "_CHUNK", 8)  # 8-byte pieces
+    assert encode_snapshot_flat(flat, SCHEMA, metadata=meta) == buf
+    got, got_meta = decode_snapshot(buf, schema=SCHEMA)
+    assert got_meta == meta and all(torch.equal(got[n], p[n]) for n in SCHEMA)
+    raw = zstandard.ZstdDecompressor().decompress(buf)
+    theirs = safetensors.torch.load(raw)
+    assert all(torch.equal(theirs[n], p[n]) for n in SCHEMA)
+    with pytest.raises(ValueError, match="hold 16 values"):
+        encode_snapshot_flat(flat[:-1], SCHEMA)
+    with pytest.raises(ValueError, match="contiguous fp32"):
+        encode_snapshot_flat(flat.double(), SCHEMA)
