@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import logging
 import os
@@ -63,8 +64,13 @@ def cmd_coordinator_serve(args: argparse.Namespace) -> int:
     # from the environment, so the settings travel as IDLETRAIN_* variables.
     for key, value in {**overrides, "data_dir": str(settings.data_dir.resolve()), "relay": "true"}.items():
         os.environ[f"IDLETRAIN_{key.upper()}"] = str(value)
+    # uvicorn's supervisor kills a process that leaves its health ping unanswered for 5 s; a process
+    # busy with a 124M model (creating a run, a snapshot, a checkpoint) can hold the GIL that long
+    # on a loaded machine, and such a kill drops its requests mid-answer. Give it a minute.
+    patient = ({"timeout_worker_healthcheck": 60}
+               if "timeout_worker_healthcheck" in inspect.signature(uvicorn.run).parameters else {})
     uvicorn.run("coordinator.app:app_from_environment", factory=True, workers=settings.processes, host=settings.host,
-                port=settings.port, log_level=level, access_log=access)
+                port=settings.port, log_level=level, access_log=access, **patient)
     return 0
 
 
