@@ -31,6 +31,9 @@ class CoordinatorSettings(BaseSettings):
                                   "cost is at most this share of the time since it began, and the newest version "
                                   "gets its snapshot once the merger is idle and that allows. Snapshots under "
                                   "0.25 s are never held back")
+    keep_alive_s: int = Field(75, ge=1, le=3600, description="seconds an idle HTTP connection stays open; above "
+                                                             "the clients' own pool expiry (httpx: 5 s), so a client "
+                                                             "never sends on a connection the server is closing")
     merge_idle_s: float = Field(0.05, gt=0, description="merger's sleep when nothing is queued")
     processes: int = Field(1, ge=1, le=256, description="HTTP processes `serve` starts on one port (PostgreSQL "
                                                          "only); one of them merges at a time")

@@ -58,7 +58,8 @@ def cmd_coordinator_serve(args: argparse.Namespace) -> int:
     level, access = args.log_level.lower(), args.log_level.upper() == "DEBUG"
     if settings.processes == 1:
         settings = settings.model_copy(update={"relay": shared_db})  # other coordinators may join the database
-        uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=level, access_log=access)
+        uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=level, access_log=access,
+                    timeout_keep_alive=settings.keep_alive_s)
         return 0
     # uvicorn's supervisor starts the processes (and restarts one that dies); each builds its app
     # from the environment, so the settings travel as IDLETRAIN_* variables.
@@ -70,7 +71,8 @@ def cmd_coordinator_serve(args: argparse.Namespace) -> int:
     patient = ({"timeout_worker_healthcheck": 60}
                if "timeout_worker_healthcheck" in inspect.signature(uvicorn.run).parameters else {})
     uvicorn.run("coordinator.app:app_from_environment", factory=True, workers=settings.processes, host=settings.host,
-                port=settings.port, log_level=level, access_log=access, **patient)
+                port=settings.port, log_level=level, access_log=access, timeout_keep_alive=settings.keep_alive_s,
+                **patient)
     return 0
 
 
