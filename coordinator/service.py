@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import secrets
 import threading
 import time
@@ -796,10 +797,16 @@ class Coordinator:
 
     # -- evaluation ---------------------------------------------------------------------------
 
-    def evaluate(self, rt: RunRuntime) -> protocol.EvalPoint:
-        """Evaluate the run's current model on its held-out split and record it (once per version)."""
+    def evaluate(self, rt: RunRuntime) -> protocol.EvalPoint | None:
+        """Evaluate the run's current model on its held-out split and record it (once per version).
+        None when the loss is not finite (the model diverged): logged as an error, never recorded
+        (a NaN would not survive JSON, and no loss curve can plot it)."""
         with rt.lock:
             version, loss = rt.version, rt.evaluate()
+        if not math.isfinite(loss):
+            log.error("run %s version %d: eval loss is %s: the global model diverged; not recorded",
+                      rt.config.name, version, loss)
+            return None
         with self.sessions() as s:
             prior = s.scalar(select(EvalResult).where(EvalResult.run_id == rt.run_id, EvalResult.version == version))
             if prior is not None:
@@ -820,7 +827,11 @@ class Coordinator:
     def evaluate_now(self, run_name: str) -> protocol.EvalPoint:
         with self.sessions() as s:
             run_id = self._run(s, run_name).id
-        return self.evaluate(self.live(run_id, run_name))
+        point = self.evaluate(self.live(run_id, run_name))
+        if point is None:
+            raise Conflict(f"run {run_name!r}: the eval loss is not finite: the global model diverged "
+                           "(see the coordinator's log); nothing was recorded")
+        return point
 
     # -- status -------------------------------------------------------------------------------
 

@@ -471,6 +471,26 @@ def test_evaluate_now_records_once_per_version(api, run):
     assert 4.0 < body["loss"] < 6.0  # about ln(256) for an untrained byte model
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_diverged_model_is_reported_not_recorded(api, run, make_delta, monkeypatch, caplog, bad):
+    """A non-finite eval loss (a diverged model) is logged as an error and answered 409 to an
+    operator; nothing is recorded, so status and the dashboard keep working (a NaN would not
+    survive JSON)."""
+    rt = api.runtime()
+    monkeypatch.setattr(rt, "evaluate", lambda: bad)
+    resp = api.client.post(f"{API}/runs/t/evaluate")
+    assert resp.status_code == 409 and "diverged" in resp.json()["detail"]
+    assert "diverged" in caplog.text
+    h = api.register()
+    lease = api.lease(h)
+    api.accept(lease.lease_id, make_delta(lease), h)
+    api.drain()
+    assert api.merger.coord.evaluate(rt) is None  # the merger's own evaluation: skipped, not raised
+    st = api.status()  # parses: every recorded loss is finite
+    assert st["version"] == 1 and [p["version"] for p in st["eval_history"]] == [0]
+    assert api.client.get(f"{API}/runs/t/dashboard").status_code == 200
+
+
 def test_admin_token_guards_operator_actions(tmp_path, open_api, run_config):
     token = "operator-secret-0123456789"
     settings = CoordinatorSettings(data_dir=tmp_path / "guarded", admin_token=token)
