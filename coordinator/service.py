@@ -443,47 +443,52 @@ class Coordinator:
             raise TooManyRequests(f"too many {action} requests from this worker; retry in {wait:.1f} s",
                                   retry_after=wait)
 
+    @staticmethod
+    def _check_throttle(s: Session, worker: Worker, cfg: RunConfig) -> None:
+        """429 while a throttled worker's next lease is not due yet."""
+        if worker.standing != "throttled":
+            return
+        recent = s.scalars(select(DeltaRecord.outcome).where(
+            DeltaRecord.worker_id == worker.id, DeltaRecord.outcome != "queued")
+            .order_by(DeltaRecord.seq.desc()).limit(trust.RECENT)).all()
+        wait = trust.throttle_wait(rejections=recent.count("rejected"),
+                                   last_lease_at=_aware_or_none(worker.last_lease_at), now=utcnow(), cfg=cfg.robust)
+        if wait > 0:
+            raise TooManyRequests(f"this worker is throttled ({worker.standing_reason}); "
+                                  f"next lease in {wait:.0f} s", retry_after=wait)
+
     def grant_lease(self, run_name: str, worker: Worker, *, keep: int | None = None) -> protocol.Lease | None:
         """A new lease for `worker`. Its earlier live leases are given up (it restarted or lost them),
         except `keep`: the one whose delta it is still uploading while it trains the next round."""
         self._rate_limit("lease", worker)
         if time.monotonic() - self._expired_at >= self.EXPIRE_EVERY_S:  # the merger sweeps too, every second
             self.expire_leases()
-        with self.sessions() as s:
-            run = self._run(s, run_name)
-            if worker.run_id != run.id:
-                raise Forbidden(f"this worker is registered with another run, not {run_name!r}")
-            if run.state != "active":
-                return None
-            cfg = RunConfig.model_validate_json(run.config_json)
-            if worker.standing == "throttled":
-                recent = s.scalars(select(DeltaRecord.outcome).where(
-                    DeltaRecord.worker_id == worker.id, DeltaRecord.outcome != "queued")
-                    .order_by(DeltaRecord.seq.desc()).limit(trust.RECENT)).all()
-                wait = trust.throttle_wait(rejections=recent.count("rejected"),
-                                           last_lease_at=_aware_or_none(worker.last_lease_at), now=utcnow(),
-                                           cfg=cfg.robust)
-                if wait > 0:
-                    raise TooManyRequests(f"this worker is throttled ({worker.standing_reason}); "
-                                          f"next lease in {wait:.0f} s", retry_after=wait)
-            if keep is not None:
-                self._own_lease(s, keep, worker)
-            # A worker asking again has given up its previous lease (it restarted, or lost it), unless it
-            # says the lease's delta is on its way.
-            for old in s.scalars(select(Lease).where(Lease.worker_id == worker.id, Lease.state == "active",
-                                                     Lease.id != (keep if keep is not None else -1))):
-                _end_lease(s, old, "abandoned")
-            s.commit()
         # Claim a shard with a conditional UPDATE: of concurrent requests that picked the same
         # shard exactly one changes the row, the others pick again (SQLite ignores FOR UPDATE). On
         # PostgreSQL the candidate read is FOR UPDATE SKIP LOCKED, so concurrent requests take
         # different rows instead of queueing on one. Only the few best candidates are read, never
-        # every shard of the run.
+        # every shard of the run. The worker's earlier leases are given up in the same transaction
+        # (each attempt again: a lost race rolls it back with the rest).
         skip_locked = self.engine.dialect.name == "postgresql"
         tried: set[int] = set()
+        cfg: RunConfig | None = None
         for _ in range(16):
             with self.sessions() as s:
                 run = self._run(s, run_name)
+                if cfg is None:  # the first attempt checks the request
+                    if worker.run_id != run.id:
+                        raise Forbidden(f"this worker is registered with another run, not {run_name!r}")
+                    if run.state != "active":
+                        return None
+                    cfg = RunConfig.model_validate_json(run.config_json)
+                    self._check_throttle(s, worker, cfg)
+                    if keep is not None:
+                        self._own_lease(s, keep, worker)
+                # A worker asking again has given up its previous lease (it restarted, or lost it), unless it
+                # says the lease's delta is on its way.
+                for old in s.scalars(select(Lease).where(Lease.worker_id == worker.id, Lease.state == "active",
+                                                         Lease.id != (keep if keep is not None else -1))):
+                    _end_lease(s, old, "abandoned")
                 query = (select(Shard.id, Shard.index, Shard.state, Shard.times_trained)
                          .where(Shard.run_id == run.id, Shard.state == "pending", Shard.id.not_in(tried))
                          .order_by(Shard.times_trained, Shard.index).limit(1 if skip_locked else 8))
@@ -494,11 +499,12 @@ class Coordinator:
                     undone = dict(s.execute(select(Shard.state, func.count()).where(
                         Shard.run_id == run.id, Shard.state != "done").group_by(Shard.state)).all())
                     if undone.get("pending"):  # pending rows exist but others hold them this instant
-                        s.rollback()
+                        s.commit()
                         continue
                     views = [] if undone else [scheduler.ShardView(0, 0, "done", 0)]
                 pick = scheduler.pick_shard(views)
                 if pick.shard_id is None:
+                    s.commit()
                     return None
                 if pick.new_epoch:  # every shard done: one request opens the next epoch, all then pick again
                     opened = s.execute(update(Run).where(Run.id == run.id, Run.epoch == run.epoch)
@@ -509,16 +515,15 @@ class Coordinator:
                     s.commit()
                     continue
                 claimed = s.execute(update(Shard).where(Shard.id == pick.shard_id, Shard.state == "pending")
-                                    .values(state="leased")).rowcount
-                if not claimed:
+                                    .values(state="leased").returning(Shard.index, Shard.sha256)).first()
+                if claimed is None:
                     s.rollback()
                     tried.add(pick.shard_id)
                     continue
-                shard = s.get(Shard, pick.shard_id)
                 now = utcnow()
                 s.execute(update(Worker).where(Worker.id == worker.id).values(last_lease_at=now))
                 lr = scheduled_lr(cfg.inner, tokens_done=run.tokens_trained, schedule_tokens=cfg.schedule_tokens)
-                lease = Lease(run_id=run.id, worker_id=worker.id, shard_id=shard.id,
+                lease = Lease(run_id=run.id, worker_id=worker.id, shard_id=pick.shard_id,
                               base_version=self._newest_snapshot(s, run.id),
                               seed=0, lr=lr, deadline=scheduler.lease_deadline(now, cfg.lease_ttl_s),
                               created_at=now)
@@ -527,7 +532,7 @@ class Coordinator:
                 lease.seed = scheduler.lease_seed(cfg.seed, lease.id)
                 s.commit()
                 return protocol.Lease(
-                    lease_id=lease.id, run=run.name, shard_id=shard.index, shard_sha256=shard.sha256,
+                    lease_id=lease.id, run=run.name, shard_id=claimed.index, shard_sha256=claimed.sha256,
                     base_version=lease.base_version, seed=lease.seed, lr=lr, inner=cfg.inner,
                     compression=cfg.compression, model=cfg.model.to_dict(), deadline=lease.deadline,
                     algorithm=cfg.algorithm, sparta=cfg.sparta)
