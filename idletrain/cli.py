@@ -37,7 +37,7 @@ def _fail(msg: str) -> int:
 def cmd_coordinator_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from coordinator.app import create_app
+    from coordinator.app import NoDelayHTTP, create_app
     from coordinator.settings import CoordinatorSettings
 
     overrides = {k: v for k, v in {"host": args.host, "port": args.port, "data_dir": args.data_dir,
@@ -59,7 +59,7 @@ def cmd_coordinator_serve(args: argparse.Namespace) -> int:
     if settings.processes == 1:
         settings = settings.model_copy(update={"relay": shared_db})  # other coordinators may join the database
         uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=level, access_log=access,
-                    timeout_keep_alive=settings.keep_alive_s)
+                    timeout_keep_alive=settings.keep_alive_s, http=NoDelayHTTP)
         return 0
     # uvicorn's supervisor starts the processes (and restarts one that dies); each builds its app
     # from the environment, so the settings travel as IDLETRAIN_* variables.
@@ -72,7 +72,7 @@ def cmd_coordinator_serve(args: argparse.Namespace) -> int:
                if "timeout_worker_healthcheck" in inspect.signature(uvicorn.run).parameters else {})
     uvicorn.run("coordinator.app:app_from_environment", factory=True, workers=settings.processes, host=settings.host,
                 port=settings.port, log_level=level, access_log=access, timeout_keep_alive=settings.keep_alive_s,
-                **patient)
+                http=NoDelayHTTP, **patient)
     return 0
 
 
