@@ -107,7 +107,6 @@ def seeded_indices_many(seeds, numels, ks, offsets=None) -> np.ndarray:
                 pieces[i] = seeded_indices(seeds[i], int(numels[i]), int(ks[i])) + offs[i]
         else:
             starts = np.concatenate(([0], np.cumsum(draws)[:-1]))
-            seg = np.repeat(np.arange(fi.size), draws)
             pos = np.arange(total, dtype=np.uint64)
             with np.errstate(over="ignore"):
                 z = pos - np.repeat((starts - 1).astype(np.uint64), draws)  # j = 1, 2, ... per tensor
@@ -126,16 +125,26 @@ def seeded_indices_many(seeds, numels, ks, offsets=None) -> np.ndarray:
             keys = z.view(np.int64)
             val = keys >> np.int64(pos_bits)
             p_sorted = keys & np.int64((1 << pos_bits) - 1)
-            first = np.ones(total, dtype=bool)
-            first[1:] = val[1:] != val[:-1]  # ranges are disjoint: repeats are within one tensor
-            distinct = np.ones(total, dtype=bool)
-            distinct[p_sorted[~first]] = False  # later draws of a value already drawn
-            csum = np.cumsum(distinct)
-            before = np.concatenate(([0], csum[starts[1:] - 1]))  # distinct draws before each segment
-            rank = csum - before[seg]  # 1-based rank of each distinct draw within its tensor
-            got = csum[starts + draws - 1] - before
-            keep = distinct & (rank <= f_k[seg])
-            kept = val[keep[p_sorted]]  # ascending; segment by segment
+            first = np.empty(total, dtype=bool)  # the earliest draw of each value (ties sort by position)
+            first[0] = True
+            np.not_equal(val[1:], val[:-1], out=first[1:])  # ranges are disjoint: repeats are within one tensor
+            # A tensor keeps its first k distinct draws: those before the position `cutoff` where the k-th
+            # distinct draw ends. Repeats are few (~k^2 / 2 numel per tensor), so the cutoff moves past
+            # them tensor by tensor: the least c with c = start + k + (repeats drawn before c).
+            later = np.sort(p_sorted[~first])  # positions of draws that repeat an earlier one
+            cutoff = starts + f_k
+            n_later = np.zeros(fi.size, dtype=np.int64)
+            if later.size:
+                owner = np.searchsorted(starts, later, side="right") - 1
+                n_later = np.bincount(owner, minlength=fi.size)
+                for t in np.flatnonzero(n_later):
+                    mine = later[owner == t]
+                    c = int(cutoff[t])
+                    while (moved := int(starts[t] + f_k[t] + np.searchsorted(mine, c))) != c:
+                        c = moved
+                    cutoff[t] = c
+            got = draws - n_later  # distinct draws per tensor
+            kept = val[first & (p_sorted < np.repeat(cutoff, draws))]  # ascending; segment by segment
             counts = np.minimum(got, f_k)
             bounds = np.concatenate(([0], np.cumsum(counts)))
             for t, i in enumerate(fi):
