@@ -785,6 +785,19 @@ class Coordinator:
             s.commit()
             return protocol.LeaseRenewed(lease_id=lease_id, deadline=deadline)
 
+    def release_lease(self, lease_id: int, worker: Worker) -> None:
+        """The worker gives a live lease up (it stops before training it): its shard goes back to the
+        queue now instead of at the deadline. Giving up a lease already given up or expired changes
+        nothing; 409 for one whose delta was delivered."""
+        self._rate_limit("lease", worker)
+        with self.sessions() as s:
+            lease = self._own_lease(s, lease_id, worker)
+            if lease.state == "delivered":
+                raise Conflict(f"lease {lease_id} delivered its delta; there is nothing to give up")
+            if lease.state == "active":
+                _end_lease(s, lease, "abandoned")
+                s.commit()
+
     @staticmethod
     def _own_lease(s: Session, lease_id: int, worker: Worker) -> Lease:
         lease = s.get(Lease, lease_id)

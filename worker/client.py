@@ -245,6 +245,10 @@ class CoordinatorClient:
         resp = self._request("POST", f"{protocol.API_PREFIX}/leases/{lease_id}/renew")
         return protocol.LeaseRenewed.model_validate(resp.json())
 
+    def release(self, lease_id: int) -> None:
+        """Give a lease up before training it (DELETE; coordinators before 2026-12 answer 405)."""
+        self._request("DELETE", f"{protocol.API_PREFIX}/leases/{lease_id}", max_retries=1)
+
     def upload_delta(self, lease_id: int, body: bytes) -> protocol.DeltaAccepted:
         resp = self._request("POST", f"{protocol.API_PREFIX}/leases/{lease_id}/delta", content=body,
                              headers={"Content-Type": "application/octet-stream"})

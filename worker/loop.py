@@ -811,9 +811,23 @@ class Worker:
                 self.suspended, recover = False, True
                 continue
         self._finish_upload()
+        self._release_prefetch()
         self._join_saver()
         self._log_utilisation()
         return self.rounds
+
+    def _release_prefetch(self) -> None:
+        """Stopping with a lease fetched ahead and never trained: give it back, so its shard goes back
+        to the queue now rather than at the lease's deadline. Best effort: it expires anyway."""
+        pre, self._prefetch = self._prefetch, None
+        if pre is None or not pre.done.wait(self.settings.request_timeout_s) or pre.lease is None:
+            return
+        try:
+            self.client.release(pre.lease.lease_id)
+            log.info("lease %d (fetched ahead, not trained) given back", pre.lease.lease_id)
+        except (httpx.TransportError, CoordinatorError) as exc:
+            log.info("lease %d (fetched ahead, not trained) not given back (%s); it expires at its deadline",
+                     pre.lease.lease_id, _why(exc))
 
     def _finish_upload(self) -> None:
         """Stopping: settle the upload in flight; a transient failure leaves its delta on disk."""

@@ -66,6 +66,13 @@ async def renew_lease(lease_id: RowId, coord: CoordinatorDep, worker: CurrentWor
     return await run_in_threadpool(coord.renew_lease, lease_id, worker)
 
 
+@router.delete("/leases/{lease_id}", status_code=204, response_class=Response)
+async def release_lease(lease_id: RowId, coord: CoordinatorDep, worker: CurrentWorker) -> Response:
+    """Give a live lease up before training it (a worker stopping): its shard is free again at once."""
+    await run_in_threadpool(coord.release_lease, lease_id, worker)
+    return Response(status_code=204)
+
+
 @router.post("/leases/{lease_id}/delta", status_code=202, response_model=protocol.DeltaAccepted,
              openapi_extra=_OCTET)
 async def upload_delta(lease_id: RowId, request: Request, coord: CoordinatorDep,

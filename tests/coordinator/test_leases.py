@@ -230,3 +230,27 @@ def test_renewal_extends_a_live_lease_only(api, run, make_delta):
     lease2 = api.lease(w)
     api.accept(lease2.lease_id, make_delta(lease2), w)
     assert api.client.post(f"{API}/leases/{lease2.lease_id}/renew", headers=w).status_code == 410
+
+
+def test_a_worker_gives_a_lease_back(api, run, make_delta):
+    """DELETE /leases/{id}: the shard is free at once (a worker stopping with a lease it fetched
+    ahead); again changes nothing; another worker's lease, an unknown one and a delivered one are
+    refused with the reason."""
+    a, b = api.register(), api.register()
+    first = api.lease(a)
+    gone = api.client.delete(f"{API}/leases/{first.lease_id}", headers=a)
+    assert gone.status_code == 204 and gone.content == b""
+    assert _lease_states(api)[first.lease_id] == "abandoned"
+    assert _shard_states(api)[first.shard_id] == "pending"
+    assert api.client.delete(f"{API}/leases/{first.lease_id}", headers=a).status_code == 204
+    assert api.lease(b).shard_id == first.shard_id  # handed out again right away
+
+    second = api.lease(a)
+    other = api.client.delete(f"{API}/leases/{second.lease_id}", headers=b)
+    assert other.status_code == 403 and "another worker" in other.json()["detail"]
+    assert api.client.delete(f"{API}/leases/999999", headers=a).status_code == 404
+    assert api.client.delete(f"{API}/leases/{second.lease_id}").status_code == 401
+    api.accept(second.lease_id, make_delta(second), a)
+    done = api.client.delete(f"{API}/leases/{second.lease_id}", headers=a)
+    assert done.status_code == 409 and "delivered" in done.json()["detail"]
+    assert _lease_states(api)[second.lease_id] == "delivered"

@@ -97,6 +97,12 @@ class FakeClient:
         self.c.note("snapshot", version)
         return self.c.snapshot, int(version)  # the same weights under every version number
 
+    def release(self, lease_id: int) -> None:
+        with self.c.lock:
+            if self.c.leases.get(lease_id) == "active":
+                self.c.leases[lease_id] = "abandoned"
+        self.c.note("release", lease_id)
+
     def model_update(self, run: str, start: int, end: int) -> bytes:
         raise CoordinatorError(404, "no updates here: fetch the snapshot")
 
@@ -417,3 +423,15 @@ def test_a_refused_delta_is_not_carried_into_the_next_start(tmp_path):
     assert [lid for lid, _, _ in rounds] == [1, 2, 3]
     assert rounds[1][1] is None  # lease 1's delta went back to the residual instead
     assert_ahead(rounds[2][1], [rounds[1][2]])
+
+
+def test_stopping_gives_back_the_lease_fetched_ahead(tmp_path):
+    """Stopped during a round whose successor's lease was already fetched: the round finishes and
+    uploads, and the untrained lease is given back (its shard is free at once, not at its deadline)."""
+    coord = FakeCoordinator(keeps=True)
+    w = make_worker(coord, tmp_path, max_rounds=10, lease_ahead=True)
+    at_step(w, 2, STEPS, w.stop.event.set)
+    assert w.run() == 2
+    assert ("lease", 3, 2) in coord.events and ("release", 3) in coord.events
+    assert coord.leases[3] == "abandoned" and coord.stored.keys() == {1, 2}
+    assert not any(e[:2] == ("step", 3) for e in coord.events)  # never trained
