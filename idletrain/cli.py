@@ -397,7 +397,10 @@ def cmd_worker_run(args: argparse.Namespace) -> int:
         if isinstance(exc, CoordinatorError):
             return _fail(f"coordinator said {exc.status}: {exc.detail}")
         raise
-    log.info("worker done: %d rounds delivered", rounds)
+    if rounds is None:
+        log.info("worker done (a follower rank of a torchrun worker: rank 0 delivers the rounds)")
+    else:
+        log.info("worker done: %d rounds delivered", rounds)
     return 0
 
 

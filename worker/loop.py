@@ -849,16 +849,17 @@ class Worker:
                      100 * u.fraction(), u.wall_s(), u.upload_wait_s)
 
 
-def run_worker(settings: WorkerSettings) -> int:
+def run_worker(settings: WorkerSettings) -> int | None:
     """Run the worker until stopped. Under torchrun (WORLD_SIZE > 1) the processes are one worker:
     rank 0 runs this loop with a trainer that trains each round across every rank, the other ranks
-    only follow it and never talk to the coordinator (worker/distributed.py)."""
+    only follow it and never talk to the coordinator (worker/distributed.py). Returns the rounds
+    delivered, or None on a follower rank."""
     from worker import distributed
 
     session = distributed.from_env(settings.device)  # None: one process, as without torchrun
     if session is not None and not session.leader:
         session.follow(threads=settings.threads)
-        return 0  # a follower delivers nothing itself: rank 0 counts the rounds
+        return None  # a follower delivers nothing itself: rank 0 counts the rounds
     try:
         stop = StopFlag()
         stop.install()

@@ -239,6 +239,7 @@ def test_a_torchrun_worker_of_two_processes_trains_against_a_coordinator(tmp_pat
             assert code == 0, log[-4000:]
             assert f"worker done: {ROUNDS} rounds delivered" in log, log[-4000:]
             assert f"rank 0 stopped after {ROUNDS} rounds trained together" in log, log[-4000:]
+            assert "worker done (a follower rank" in log and "worker done: 0 rounds" not in log, log[-4000:]
 
             st = wait_merged(client, "dist", ROUNDS, timeout_s=30)
             assert st["merged_deltas"] == ROUNDS and st["rejected_deltas"] == 0
