@@ -239,45 +239,12 @@ class Coordinator:
             run = s.get(Run, run_id)
         self._load_run(run)
 
-    def _repair_deltas(self, run_id: int, after: int) -> int:
-        """Before a replay: every delta recorded after version `after` must be under its sequence
-        number with the bytes its row hashed. A crash can lose that name (a link not yet on disk)
-        or leave an older attempt's file there; the staged name, synced before the row was
-        committed, still holds the bytes: link it again. Returns how many were fixed."""
-        with self.sessions() as s:
-            rows = s.execute(select(DeltaRecord.seq, DeltaRecord.lease_id, DeltaRecord.sha256).where(
-                DeltaRecord.run_id == run_id, DeltaRecord.seq > after).order_by(DeltaRecord.seq)).all()
-        fixed = 0
-        for seq, lease_id, sha in rows:
-            path = self.storage.delta(run_id, seq)
-            try:
-                if hashlib.sha256(path.read_bytes()).hexdigest() == sha:
-                    continue
-            except FileNotFoundError:
-                pass
-            staged = self.storage.staged_delta(run_id, lease_id, sha)
-            try:
-                intact = hashlib.sha256(staged.read_bytes()).hexdigest() == sha
-            except FileNotFoundError:
-                intact = False
-            if not intact:
-                log.error("run %d: delta %d (lease %d) is on disk under neither name; its merge will reject it",
-                          run_id, seq, lease_id)
-                continue
-            self.storage.link(staged, path)
-            fixed += 1
-        if fixed:
-            self.storage.sync_dir(self.storage.delta(run_id, 0).parent)
-            log.warning("run %d: %d delta(s) put back under their sequence numbers after a crash", run_id, fixed)
-        return fixed
-
     def _load_run(self, run: Run) -> None:
         cfg = RunConfig.model_validate_json(run.config_json)
         rt = RunRuntime.from_checkpoint(run_id=run.id, config=cfg, storage=self.storage, max_version=run.version)
         if rt is None:
             log.warning("run %s: no usable checkpoint; replaying from version 0", run.name)
             rt = RunRuntime.fresh(run_id=run.id, config=cfg, storage=self.storage)
-        self._repair_deltas(run.id, rt.version)
         deltas, exchanges = self._replay(rt, run.version)
         if deltas or exchanges:
             rt.write_checkpoint()
@@ -684,10 +651,6 @@ class Coordinator:
                        f"above the run's limit of {cfg.outer.max_staleness}; take a new lease")
         tokens = scheduler.round_tokens(steps=cfg.inner.steps, batch_size=cfg.inner.batch_size,
                                         context=cfg.model.context)
-        # Bytes first, durably, before any lock: the fsync can wait behind a large snapshot's or
-        # checkpoint's writes, and under the run's row lock every other upload would wait with it.
-        staged = self.storage.staged_delta(lease.run_id, lease_id, digest)
-        self.storage.write(staged, body)
         with self._ack_lock, self.sessions() as s:
             prior = s.scalar(select(DeltaRecord).where(DeltaRecord.lease_id == lease_id))
             if prior is not None:  # the same upload raced itself; the first one won
@@ -700,8 +663,8 @@ class Coordinator:
             # lease request of the same worker holding its row would then deadlock with this upload)
             run = s.get(Run, lease.run_id, with_for_update={"key_share": True})
             seq = run.next_seq
-            # its sequence number as a second name (no data written here); then the row that makes it real
-            self.storage.link(staged, self.storage.delta(run.id, seq))
+            # Bytes first, durably; only then the row that makes the delta real.
+            self.storage.write(self.storage.delta(run.id, seq), body)
             rec = DeltaRecord(run_id=run.id, lease_id=lease_id, worker_id=worker.id, seq=seq,
                               base_version=lease.base_version, size_bytes=len(body), sha256=digest,
                               tokens=tokens, steps=cfg.inner.steps)

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from shared.files import atomic_write
@@ -33,12 +32,6 @@ class Storage:
     def delta(self, run_id: int, seq: int) -> Path:
         return self.run_dir(run_id) / "deltas" / f"{seq:010d}.delta"
 
-    def staged_delta(self, run_id: int, lease_id: int, sha256: str) -> Path:
-        """An uploaded delta's bytes, written and synced before it gets its sequence number (which
-        `link` then gives it as a second name): named by lease and content, so two different bodies
-        for one lease never share a file."""
-        return self.run_dir(run_id) / "deltas" / "incoming" / f"{lease_id:010d}-{sha256[:16]}.delta"
-
     def checkpoints(self, run_id: int) -> Path:
         """The folder of a run's checkpoints, one file per version: `<version>.ckpt`."""
         return self.run_dir(run_id) / "checkpoints"
@@ -56,31 +49,6 @@ class Storage:
 
     def write(self, path: Path, data: bytes) -> None:
         atomic_write(path, data)
-
-    def link(self, src: Path, dst: Path) -> None:
-        """Give the file `src` the second name `dst` (a hard link, replacing any file there): no data
-        is written, and nothing is synced -- `src` is the durable name, and a restart re-links what a
-        crash lost (Coordinator._repair_deltas). Where hard links are not supported, a copy."""
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        tmp = dst.with_name(dst.name + ".link")
-        tmp.unlink(missing_ok=True)
-        try:
-            os.link(src, tmp)
-        except OSError:
-            atomic_write(dst, src.read_bytes())
-            return
-        os.replace(tmp, dst)
-
-    def sync_dir(self, path: Path) -> None:
-        """Make the names in folder `path` durable (where the platform can open a folder)."""
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except OSError:
-            return
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
 
     def read(self, path: Path) -> bytes:
         return path.read_bytes()

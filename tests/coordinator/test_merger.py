@@ -225,37 +225,6 @@ def test_restart_resumes_with_identical_weights(tmp_path, open_api, run_config, 
         assert differs(final, before)
 
 
-def test_a_delta_whose_sequence_name_a_crash_lost_is_found_again(tmp_path, open_api, run_config, make_delta,
-                                                                  caplog):
-    """An upload writes and syncs its bytes under a staged name before it takes the run's lock, and
-    under the lock only links its sequence number to them (nothing synced there). A crash can then
-    lose that link, or leave an older attempt's file under the number; the restart re-links the
-    staged file before it replays, and every acknowledged delta merges once, as sent."""
-    settings = CoordinatorSettings(data_dir=tmp_path / "coord")
-    cfg_dict = run_config(**MANY_SHARDS)
-    cfg = RunConfig.model_validate(cfg_dict)
-    with open_api(settings) as api:
-        api.create_run(cfg_dict)
-        storage, run_id = api.coordinator.storage, api.runtime().run_id
-        up = Uploader(api, make_delta)
-        assert up.deliver(up.lease_all()) == [1, 2, 3]
-        for seq in (1, 2, 3):  # one file, two names
-            assert storage.delta(run_id, seq).read_bytes() == up.sent[seq][0]
-            assert len(list(storage.delta(run_id, seq).parent.glob("incoming/*.delta"))) == 3
-            assert storage.delta(run_id, seq).stat().st_nlink == 2
-        assert api.status()["pending_deltas"] == 3
-    storage.delta(run_id, 2).unlink()  # the link never reached the disk
-    storage.delta(run_id, 3).unlink()  # an earlier attempt's file (another inode) under the number
-    storage.delta(run_id, 3).write_bytes(up.sent[1][0])
-    caplog.set_level(logging.WARNING, logger="coordinator")
-    with open_api(settings) as api:
-        assert "2 delta(s) put back under their sequence numbers" in caplog.text
-        assert api.drain() == 3
-        st = api.status()
-        assert (st["merged_deltas"], st["rejected_deltas"]) == (3, 0)
-        assert_same(latest_params(api, cfg), replay(cfg, up.in_order()))
-
-
 def test_restart_after_checkpoint_every(tmp_path, open_api, run_config, make_delta):
     """Periodic checkpoints and snapshot clean-up, then a restart from the newest checkpoint."""
     settings = CoordinatorSettings(data_dir=tmp_path / "coord", checkpoint_every=2, snapshot_keep=2)
