@@ -168,6 +168,7 @@ class _Own:
     lease_id: int
     body: bytes
     seq: int | None = None
+    sent: dict[str, torch.Tensor] | None = None  # its dense form, kept for the newest one only (memory)
 
 
 @dataclasses.dataclass
@@ -517,14 +518,22 @@ class Worker:
         if lease.algorithm != "diloco" or base is None or not self._own:
             return None
         schema = {n: tuple(t.shape) for n, t in base.items()}
-        ahead: dict[str, torch.Tensor] = {}
+        sents = []
         for own in self._own:
+            if own.sent is not None and {n: tuple(t.shape) for n, t in own.sent.items()} == schema:
+                sents.append(own.sent)  # the round just trained: no need to decode its bytes again
+                continue
             try:
-                sent = delta_to_tensors(codec.decode(own.body, schema=schema), schema)
+                sents.append(delta_to_tensors(codec.decode(own.body, schema=schema), schema))
             except (DeltaFormatError, ValueError, KeyError):  # another model: not part of this run's progress
                 continue
-            for name, t in sent.items():
-                ahead[name] = ahead[name] + t if name in ahead else t.clone()
+        if len(sents) == 1:
+            ahead = sents[0]  # read only (train_round subtracts it into new tensors)
+        else:
+            ahead = {}
+            for sent in sents:
+                for name, t in sent.items():
+                    ahead[name] = ahead[name] + t if name in ahead else t.clone()
         if ahead:
             log.debug("lease %d: starting from version %d minus %d own delta(s) not merged into it yet",
                       lease.lease_id, lease.base_version, len(self._own))
@@ -689,7 +698,9 @@ class Worker:
             return
         self.progress.utilisation.add_compute(result.seconds)
         if lease.algorithm == "diloco":
-            self._own.append(_Own(lease.lease_id, result.body))
+            for own in self._own:
+                own.sent = None
+            self._own.append(_Own(lease.lease_id, result.body, sent=self.trainer.last_sent or None))
         self.progress.set_phase("uploading")
         self._save_unsent(lease, result.body)  # before the trainer's state: see _restore
         self._save_trainer()

@@ -183,6 +183,12 @@ class LocalTrainer:
         self.max_exchanges_in_flight = max_exchanges_in_flight
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
 
+    @property
+    def last_sent(self) -> dict[str, torch.Tensor]:
+        """The dense form of the last round's delta as sent (empty for sparta, or after undeliverable()).
+        Read it, don't write it."""
+        return self._last_sent
+
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
