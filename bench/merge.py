@@ -516,7 +516,7 @@ def runtime_stages(params: dict[str, torch.Tensor], blobs: dict[str, list[bytes]
             kind0 = kinds[0]
             stages.append(Stage("(f) RunRuntime.merge, live (write_snapshot=True)", kind0, t_live,
                                 note=f"a snapshot per merge, {statistics.fmean(sizes) / 1e6:.3g} MB each"))
-            stages.append(Stage("(f) of which snapshot encode (safetensors + zstd)", kind0,
+            stages.append(Stage("(f) of which snapshot encode (encode_snapshot_flat + sha256)", kind0,
                                 [s - w for s, w in zip(snap_t, write_t)]))
             stages.append(Stage("(f) of which snapshot write (atomic, fsync)", kind0, write_t))
             stages += snapshot_encode_parts(rt.outer.params(), kind=kind0)
