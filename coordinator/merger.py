@@ -72,26 +72,17 @@ class Merger:
                     self.last_error = repr(exc)
                 self._stop.wait(self.coord.settings.merge_idle_s)
 
-    def catch_up_snapshot(self, rt: RunRuntime, *, force: bool = False) -> bool:
+    def catch_up_snapshot(self, rt: RunRuntime) -> bool:
         """Idle: write the snapshot of the newest version if merging held it back (snapshot_duty)
-        and the duty allows it now (force: whatever the duty). True if one was written."""
+        and the duty allows it now. True if one was written."""
         if rt.snapshot_version is None:
             with self.coord.sessions() as s:
                 rt.snapshot_version = self.coord._newest_snapshot(s, rt.run_id)
-        if rt.version <= rt.snapshot_version or not (force or rt.snapshot_allowed(self.coord.settings.snapshot_duty)):
+        if rt.version <= rt.snapshot_version or not rt.snapshot_allowed(self.coord.settings.snapshot_duty):
             return False
-        with rt.lock:  # exchanges (sparta) may be changing the weights meanwhile
-            version = rt.version
-            sha, size = rt.write_snapshot()
-        with self.coord.sessions() as s:
-            # fenced: only while the database's newest version is the one written (no other merger moved it)
-            if s.scalar(select(Run.version).where(Run.id == rt.run_id)) != version or s.scalar(
-                    select(ModelVersion.id).where(ModelVersion.run_id == rt.run_id,
-                                                  ModelVersion.version == version)) is not None:
-                return False
-            s.add(ModelVersion(run_id=rt.run_id, version=version, sha256=sha, size_bytes=size))
-            s.commit()
-        log.debug("run %s: snapshot of version %d written at idle (%.2f s)", rt.config.name, version,
+        if not self.coord.snapshot_newest(rt):
+            return False
+        log.debug("run %s: snapshot of version %d written at idle (%.2f s)", rt.config.name, rt.version,
                   rt.snapshot_cost_s)
         return True
 

@@ -239,6 +239,24 @@ class Coordinator:
             run = s.get(Run, run_id)
         self._load_run(run)
 
+    def snapshot_newest(self, rt: RunRuntime) -> bool:
+        """Write and record the snapshot of the run's newest version unless it has one already, or the
+        database has moved past it (another process merges now). True if one was written."""
+        with self.sessions() as s:
+            if s.scalar(select(Run.version).where(Run.id == rt.run_id)) != rt.version:
+                return False
+            if s.scalar(select(ModelVersion.id).where(ModelVersion.run_id == rt.run_id,
+                                                      ModelVersion.version == rt.version)) is not None:
+                rt.snapshot_version = rt.version
+                return False
+        with rt.lock:  # exchanges (sparta) may be changing the weights meanwhile
+            version = rt.version
+            sha, size = rt.write_snapshot()
+        with self.sessions() as s:
+            s.add(ModelVersion(run_id=rt.run_id, version=version, sha256=sha, size_bytes=size))
+            s.commit()
+        return True
+
     def _load_run(self, run: Run) -> None:
         cfg = RunConfig.model_validate_json(run.config_json)
         rt = RunRuntime.from_checkpoint(run_id=run.id, config=cfg, storage=self.storage, max_version=run.version)
@@ -248,13 +266,7 @@ class Coordinator:
         deltas, exchanges = self._replay(rt, run.version)
         if deltas or exchanges:
             rt.write_checkpoint()
-        with self.sessions() as s:
-            if s.scalar(select(ModelVersion.id).where(ModelVersion.run_id == run.id,
-                                                      ModelVersion.version == rt.version)) is None:
-                # the crash came between snapshots: write the newest version's now, so leases hand it out
-                sha, size = rt.write_snapshot()
-                s.add(ModelVersion(run_id=run.id, version=rt.version, sha256=sha, size_bytes=size))
-                s.commit()
+        self.snapshot_newest(rt)  # the crash came between snapshots: write the newest now, so leases hand it out
         log.info("run %s resumed at version %d (%d deltas replayed, %d exchanges)", run.name, rt.version,
                  deltas, exchanges)
         with self._runtimes_lock:
