@@ -56,3 +56,8 @@ class Unavailable(ServiceError):
 
     def __init__(self, detail: str, *, retry_after: float = 1.0) -> None:
         super().__init__(detail, headers={"Retry-After": str(max(1, int(retry_after + 0.999)))})
+
+
+class RunUnrecoverable(IdletrainError):
+    """A run whose live model cannot be rebuilt from what is on disk (the coordinator will not start
+    with a model it would have to guess); the message says what the operator can do."""

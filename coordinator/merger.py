@@ -144,6 +144,7 @@ class Merger:
             with rt.lock:  # exchanges (sparta) may be changing the weights meanwhile
                 rt.write_checkpoint()
             self._gc_snapshots(rt)
+            self.coord.prune_history(rt)
         log.debug("merged seq %d..%d in %.1f ms", items[0][0], last, 1000 * (time.perf_counter() - t0))
         return len(outs)
 

@@ -27,8 +27,8 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from coordinator import credit, scheduler, trust
 from coordinator.db import init_db, make_engine, make_sessionmaker
-from coordinator.errors import (Conflict, Forbidden, Gone, NotFound, TooManyRequests, Unauthorized, Unavailable,
-                                Unprocessable)
+from coordinator.errors import (Conflict, Forbidden, Gone, NotFound, RunUnrecoverable, TooManyRequests, Unauthorized,
+                                Unavailable, Unprocessable)
 from coordinator.leader import Leadership
 from coordinator.models import DeltaRecord, EvalResult, Exchange, Lease, ModelVersion, Run, Shard, Worker, utcnow
 from coordinator.ratelimit import RateLimiter
@@ -260,17 +260,50 @@ class Coordinator:
     def _load_run(self, run: Run) -> None:
         cfg = RunConfig.model_validate_json(run.config_json)
         rt = RunRuntime.from_checkpoint(run_id=run.id, config=cfg, storage=self.storage, max_version=run.version)
+        if rt is None and (pruned := self.storage.pruned_through(run.id)):
+            ckpts = self.storage.checkpoints(run.id)
+            msg = (f"run {run.name}: no checkpoint in {ckpts} loads (each fails its hash, or is ahead of the "
+                   f"database's version {run.version}), and the deltas up to version {pruned} were deleted once "
+                   "checkpoints held them (keep_deltas is off), so the model cannot be rebuilt from version 0. "
+                   "Put back a good checkpoint file (from a backup of the data dir) or the database that matches "
+                   "the checkpoints, then start again")
+            log.error("%s", msg)
+            raise RunUnrecoverable(msg)
         if rt is None:
             log.warning("run %s: no usable checkpoint; replaying from version 0", run.name)
             rt = RunRuntime.fresh(run_id=run.id, config=cfg, storage=self.storage)
         deltas, exchanges = self._replay(rt, run.version)
         if deltas or exchanges:
             rt.write_checkpoint()
+            self.prune_history(rt)
         self.snapshot_newest(rt)  # the crash came between snapshots: write the newest now, so leases hand it out
         log.info("run %s resumed at version %d (%d deltas replayed, %d exchanges)", run.name, rt.version,
                  deltas, exchanges)
         with self._runtimes_lock:
             self.runtimes[run.id] = rt
+
+    def prune_history(self, rt: RunRuntime) -> int:
+        """Delete what every kept checkpoint already holds, once there are RunRuntime.CHECKPOINTS_KEPT of
+        them: the received delta files up to the oldest one's version, and the bodies of the exchanges
+        that came before it (their rows stay: they are counted, and keep a retried exchange from being
+        applied twice). A restart from any kept checkpoint replays only what comes after it. Nothing
+        goes with keep_deltas. Returns the number of delta files deleted."""
+        if self.settings.keep_deltas:
+            return 0
+        kept = self.storage.list_checkpoints(rt.run_id)
+        if len(kept) < RunRuntime.CHECKPOINTS_KEPT:
+            return 0
+        through, done = kept[-1][0], self.storage.pruned_through(rt.run_id)
+        if through <= done:
+            return 0
+        gone = self.storage.prune_deltas(rt.run_id, through)
+        with self.sessions() as s:
+            s.execute(update(Exchange).where(Exchange.run_id == rt.run_id, Exchange.after_version >= done,
+                                             Exchange.after_version < through).values(body=b""))
+            s.commit()
+        log.debug("run %s: deltas up to version %d deleted (%d files): every kept checkpoint holds them",
+                  rt.config.name, through, gone)
+        return gone
 
     def _replay(self, rt: RunRuntime, up_to: int) -> tuple[int, int]:
         """Bring `rt` from its checkpoint to version `up_to`: after each version, the exchanges

@@ -1,11 +1,16 @@
 """Blobs in the data dir: shards, snapshots, received deltas, checkpoints. Writes are atomic
-(temp file, fsync, rename, fsync of the folder), so a crash leaves either the old file or the new."""
+(temp file, fsync, rename, fsync of the folder), so a crash leaves either the old file or the new.
+Deltas that every kept checkpoint already holds are deleted unless the operator keeps them
+(`keep_deltas`; Coordinator.prune_history)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from shared.files import atomic_write
+
+
+PRUNED_MARK = "pruned-through"  # in a run's deltas folder: deltas up to this version were deleted
 
 
 class Storage:
@@ -29,8 +34,30 @@ class Storage:
         """The int8 change between two versions (shared/algorithms/sync.py), built on first request."""
         return self.run_dir(run_id) / "updates" / f"{from_version:010d}-{to_version:010d}.delta"
 
+    def deltas(self, run_id: int) -> Path:
+        """The folder of a run's received deltas, one file per sequence number: `<seq>.delta`."""
+        return self.run_dir(run_id) / "deltas"
+
     def delta(self, run_id: int, seq: int) -> Path:
-        return self.run_dir(run_id) / "deltas" / f"{seq:010d}.delta"
+        return self.deltas(run_id) / f"{seq:010d}.delta"
+
+    def pruned_through(self, run_id: int) -> int:
+        """The version up to which this run's received deltas (and exchange bodies) were deleted; 0: none."""
+        try:
+            return int((self.deltas(run_id) / PRUNED_MARK).read_text())
+        except FileNotFoundError:
+            return 0
+
+    def prune_deltas(self, run_id: int, through: int) -> int:
+        """Delete the delta files of sequence numbers up to `through`; returns how many went. The mark
+        is written first, so a crash in between leaves files behind, never a gap nobody knows about."""
+        self.write(self.deltas(run_id) / PRUNED_MARK, str(int(through)).encode())
+        gone = 0
+        for path in self.deltas(run_id).glob("*.delta"):
+            if path.stem.isdigit() and int(path.stem) <= through:
+                path.unlink(missing_ok=True)
+                gone += 1
+        return gone
 
     def checkpoints(self, run_id: int) -> Path:
         """The folder of a run's checkpoints, one file per version: `<version>.ckpt`."""
