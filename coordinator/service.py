@@ -673,8 +673,8 @@ class Coordinator:
             run = s.get(Run, lease.run_id)
             cfg = RunConfig.model_validate_json(run.config_json)
         try:
-            # the codec's every check, on the flat layout: the fast path (one pass over all tensors)
-            delta = codec.decode_flat(body, schema=self.schema_of(lease.run_id))
+            # the codec's every check (decode_flat's), without building the delta: the merger decodes it
+            delta = codec.check_flat(body, schema=self.schema_of(lease.run_id))
         except DeltaFormatError as exc:
             self._count_rejection(worker.id, lease.run_id, len(body))
             raise Unprocessable(f"delta refused: {exc}") from None

@@ -1,7 +1,8 @@
 """The delta wire format.
 
     envelope.py  the versioned envelope: encode(Delta) -> bytes, decode(bytes, schema) -> Delta;
-                 decode_flat(bytes, schema) -> FlatDelta (global indices over the tensors end to end)
+                 decode_flat(bytes, schema) -> FlatDelta (global indices over the tensors end to end);
+                 check_flat(bytes, schema): decode_flat's checks alone (an upload's, before its 202)
     indices.py   which elements travel: DENSE, SEEDED (only a seed travels), PACKED (bit-packed list)
     values.py    how values travel: FP32, FP16, INT8 and INT4 with per-block scales
 
@@ -9,13 +10,14 @@ A golden file (tests/golden/delta_v1.bin) pins the bytes of format version 1.
 """
 
 from shared.codec.envelope import (
-    FORMAT_VERSION, MAGIC, Delta, Entry, FlatDelta, decode, decode_flat, encode, flat_offsets, max_body_bytes,
+    FORMAT_VERSION, MAGIC, Delta, DeltaSummary, Entry, FlatDelta, check_flat, decode, decode_flat, encode,
+    flat_offsets, max_body_bytes,
 )
 from shared.codec.indices import IndexKind, seeded_indices, seeded_indices_many, splitmix64
 from shared.codec.values import BLOCK, ValueKind
 
 __all__ = [
-    "BLOCK", "FORMAT_VERSION", "MAGIC", "Delta", "Entry", "FlatDelta", "IndexKind", "ValueKind",
-    "decode", "decode_flat", "encode", "flat_offsets", "max_body_bytes", "seeded_indices", "seeded_indices_many",
-    "splitmix64",
+    "BLOCK", "FORMAT_VERSION", "MAGIC", "Delta", "DeltaSummary", "Entry", "FlatDelta", "IndexKind", "ValueKind",
+    "check_flat", "decode", "decode_flat", "encode", "flat_offsets", "max_body_bytes", "seeded_indices",
+    "seeded_indices_many", "splitmix64",
 ]

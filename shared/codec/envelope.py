@@ -252,7 +252,29 @@ def decode_flat(buf: bytes, *, schema: Mapping[str, tuple[int, ...]], offsets: M
     return _parse_body_flat(memoryview(raw), schema, flat_offsets(schema) if offsets is None else offsets)
 
 
-def _parse_body_flat(raw: memoryview, schema: Mapping[str, tuple[int, ...]], offsets: Mapping[str, int]) -> FlatDelta:
+@dataclasses.dataclass(frozen=True)
+class DeltaSummary:
+    """What `check_flat` tells of a delta it accepts: its base version, entries and values carried."""
+
+    base_version: int
+    n_entries: int
+    k: int
+
+
+def check_flat(buf: bytes, *, schema: Mapping[str, tuple[int, ...]], offsets: Mapping[str, int] | None = None,
+               max_body: int | None = None) -> DeltaSummary:
+    """Envelope bytes -> DeltaSummary, refusing exactly what `decode_flat` refuses (the same
+    DeltaFormatError) without building the delta: SEEDED indices are not regenerated (any seed
+    gives a valid set) and INT8 values are not dequantised (each block's largest code times its
+    scale is checked instead, which overflows exactly when one of its values would). What the
+    coordinator runs on an upload before acknowledging it; the merger decodes it later."""
+    raw = _open(buf, max_body_bytes(schema) if max_body is None else max_body)
+    return _parse_body_flat(memoryview(raw), schema, flat_offsets(schema) if offsets is None else offsets,
+                            materialise=False)
+
+
+def _parse_body_flat(raw: memoryview, schema: Mapping[str, tuple[int, ...]], offsets: Mapping[str, int], *,
+                     materialise: bool = True) -> FlatDelta | DeltaSummary:
     base_version, n_entries = _body_header(raw, schema)
     pos = 12
     seen: set[str] = set()
@@ -302,6 +324,10 @@ def _parse_body_flat(raw: memoryview, schema: Mapping[str, tuple[int, ...]], off
         raise DeltaFormatError(f"{len(raw) - pos} unexpected bytes after the last entry")
     sparse.sort(key=lambda item: item[0])
     dense.sort(key=lambda item: item[0])
+    if not materialise:
+        _unpack_many(raw, [item for item in sparse if isinstance(item[2], tuple)])  # its checks only
+        _int8_sections(sparse, dequantise=False)
+        return DeltaSummary(base_version, n_entries, sum(item[4] for item in sparse) + sum(v.size for _, v in dense))
     return FlatDelta(base_version, n_entries, _flat_indices(sparse, raw), _flat_values(sparse), tuple(dense))
 
 
@@ -363,26 +389,41 @@ def _unpack_many(raw: memoryview, packed: list[tuple]) -> np.ndarray:
     return local + np.asarray([item[0] for item in packed], dtype=np.int64)[entry]
 
 
+def _int8_sections(sparse: list[tuple], *, dequantise: bool = True) -> np.ndarray | None:
+    """Every INT8 section's values dequantised together (None if none, or dequantise=False), after
+    the checks: scales finite and not negative, no value overflowing. Without dequantising, the
+    overflow check takes each block's largest code times its scale: float32 products are monotone
+    in the code, so that one is finite exactly when all of the block's are."""
+    sections = [(item[6], item[4]) for item in sparse if item[6] is not None]
+    if not sections:
+        return None
+    nblocks = [-(-k // BLOCK) for _, k in sections]
+    scales = np.frombuffer(b"".join(bytes(s[: 4 * nb]) for (s, _), nb in zip(sections, nblocks)),
+                           dtype="<f4").astype(np.float32)
+    if not np.all(np.isfinite(scales)):
+        raise DeltaMismatchError("quantisation scales contain NaN or Inf")
+    if np.any(scales < 0):
+        raise DeltaMismatchError("quantisation scales must not be negative")
+    q = np.frombuffer(b"".join(bytes(s[4 * nb:]) for (s, _), nb in zip(sections, nblocks)), dtype=np.int8)
+    ks = np.asarray([k for _, k in sections], dtype=np.int64)
+    # values per scale: BLOCK, but an entry's last block holds what is left of its k
+    per_scale = np.full(scales.size, BLOCK, dtype=np.int64)
+    per_scale[np.cumsum(nblocks) - 1] = ks - BLOCK * (np.asarray(nblocks, dtype=np.int64) - 1)
+    with np.errstate(over="ignore"):
+        if dequantise:
+            deq = q.astype(np.float32) * np.repeat(scales, per_scale)
+        else:
+            starts = np.concatenate(([0], np.cumsum(per_scale)[:-1]))
+            biggest = np.maximum.reduceat(np.abs(q.astype(np.int16)), starts) if q.size else np.zeros(0, np.int16)
+            deq = biggest.astype(np.float32) * scales
+    if not np.all(np.isfinite(deq)):
+        raise DeltaMismatchError("dequantised values contain NaN or Inf")
+    return deq if dequantise else None
+
+
 def _flat_values(sparse: list[tuple]) -> np.ndarray:
     """Every sparse entry's values, in order; INT8 sections dequantised together."""
-    sections = [(item[6], item[4]) for item in sparse if item[6] is not None]
-    if sections:
-        nblocks = [-(-k // BLOCK) for _, k in sections]
-        scales = np.frombuffer(b"".join(bytes(s[: 4 * nb]) for (s, _), nb in zip(sections, nblocks)),
-                               dtype="<f4").astype(np.float32)
-        if not np.all(np.isfinite(scales)):
-            raise DeltaMismatchError("quantisation scales contain NaN or Inf")
-        if np.any(scales < 0):
-            raise DeltaMismatchError("quantisation scales must not be negative")
-        q = np.frombuffer(b"".join(bytes(s[4 * nb:]) for (s, _), nb in zip(sections, nblocks)), dtype=np.int8)
-        ks = np.asarray([k for _, k in sections], dtype=np.int64)
-        # values per scale: BLOCK, but an entry's last block holds what is left of its k
-        per_scale = np.full(scales.size, BLOCK, dtype=np.int64)
-        per_scale[np.cumsum(nblocks) - 1] = ks - BLOCK * (np.asarray(nblocks, dtype=np.int64) - 1)
-        with np.errstate(over="ignore"):
-            deq = q.astype(np.float32) * np.repeat(scales, per_scale)
-        if not np.all(np.isfinite(deq)):
-            raise DeltaMismatchError("dequantised values contain NaN or Inf")
+    deq = _int8_sections(sparse)
     pieces, at = [], 0
     for item in sparse:
         if item[6] is not None:

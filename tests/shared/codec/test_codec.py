@@ -7,6 +7,7 @@ Malformed inputs are built by hand from the documented layout (struct + zstandar
 from __future__ import annotations
 
 import math
+import re
 import struct
 
 import numpy as np
@@ -17,8 +18,8 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from shared.codec import (
-    BLOCK, FORMAT_VERSION, MAGIC, Delta, Entry, FlatDelta, IndexKind, ValueKind, decode, decode_flat, encode,
-    flat_offsets, max_body_bytes, seeded_indices, seeded_indices_many, splitmix64,
+    BLOCK, FORMAT_VERSION, MAGIC, Delta, DeltaSummary, Entry, FlatDelta, IndexKind, ValueKind, check_flat, decode,
+    decode_flat, encode, flat_offsets, max_body_bytes, seeded_indices, seeded_indices_many, splitmix64,
 )
 from shared.codec.indices import INDEX_CODECS
 from shared.errors import DeltaFormatError, DeltaMismatchError
@@ -721,7 +722,7 @@ def test_packed_indices_every_width(width):
 @FAST
 def test_decode_flat_equals_decode(sent):
     buf = encode(sent)
-    assert_flat_equals(decode(buf, schema=SCHEMA), decode_flat(buf, schema=SCHEMA), SCHEMA)
+    assert_decoders_agree(buf)
 
 
 @given(deltas(), st.data())
@@ -742,14 +743,34 @@ def test_decode_flat_refuses_what_decode_refuses_near_valid(buf):
 
 
 def assert_decoders_agree(buf: bytes) -> None:
-    """decode_flat refuses what decode refuses, and otherwise returns the same delta, flat."""
+    """decode_flat refuses what decode refuses (with several faults, it may name another first), and
+    otherwise returns the same delta, flat; check_flat refuses exactly what decode_flat does, with the
+    same error, and otherwise returns its summary."""
     try:
         d = decode(buf, schema=SCHEMA)
     except DeltaFormatError:
-        with pytest.raises(DeltaFormatError):
+        with pytest.raises(DeltaFormatError) as flat:
             decode_flat(buf, schema=SCHEMA)
+        with pytest.raises(type(flat.value), match=re.escape(str(flat.value))):
+            check_flat(buf, schema=SCHEMA)
     else:
         assert_flat_equals(d, decode_flat(buf, schema=SCHEMA), SCHEMA)
+        assert check_flat(buf, schema=SCHEMA) == DeltaSummary(d.base_version, len(d.entries),
+                                                              sum(e.k for e in d.entries))
+
+
+@pytest.mark.parametrize("codes,ok", [([1, -1, 0], True), ([0, 0, 0], True), ([2, 1, 1], False),
+                                      ([1, 127, 1], False), ([0, 0, -128], False)])
+def test_check_flat_finds_an_int8_overflow_from_each_blocks_largest_code(codes, ok):
+    # scale 2e38: a code of magnitude 1 stays finite, 2 or more overflow float32 (max 3.4e38)
+    e = entry("w", IndexKind.PACKED, ValueKind.INT8, 35, 3, packed([0, 1, 2], 6), int8([2e38], codes))
+    buf = envelope(body(e))
+    assert_decoders_agree(buf)
+    if ok:
+        assert check_flat(buf, schema=SCHEMA).k == 3
+    else:
+        with pytest.raises(DeltaMismatchError, match="dequantised values contain NaN or Inf"):
+            check_flat(buf, schema=SCHEMA)
 
 
 def test_flat_offsets_follow_the_schema():
