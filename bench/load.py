@@ -63,6 +63,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
+from coordinator import timing
 from shared import codec, protocol
 
 log = logging.getLogger(__name__)
@@ -81,6 +82,7 @@ DRAIN_LIMIT_S = 120.0  # how long to wait after a step for the coordinator to an
 PULL_MODES = ("304", "update")
 DEFAULT_PG_URL = os.environ.get("IDLETRAIN_TEST_POSTGRES", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 KINDS = ("lease", "shard", "snapshot_304", "update", "upload")
+TIMED_KINDS = ("lease", "upload")  # broken down by the coordinator's Server-Timing phases
 
 
 def model_configs():
@@ -219,6 +221,8 @@ class _Recorder:
     def __init__(self, t_measure: float, t_end: float) -> None:
         self.t_measure, self.t_end = t_measure, t_end
         self.lat: dict[str, list[float]] = {k: [] for k in KINDS}
+        # (client ms, the answer's Server-Timing phases in ms), leases and uploads
+        self.timed: dict[str, list[tuple[float, dict[str, float]]]] = {k: [] for k in TIMED_KINDS}
         self.status: dict[str, dict[str, int]] = {k: {} for k in KINDS}
         self.errors: list[str] = []
         self.cycles = 0
@@ -250,7 +254,28 @@ async def _request(http: httpx.AsyncClient, rec: _Recorder, kind: str, method: s
     status = str(resp.status_code)
     bad = resp.status_code not in ok and resp.status_code not in (204, 429)
     rec.add(kind, t_start, dt, status, resp.text[:200] if bad else None)
+    if kind in rec.timed and rec.measuring(t_start) and resp.status_code in ok:
+        rec.timed[kind].append((1000 * dt, timing.parse(resp.headers.get(timing.HEADER))))
     return resp
+
+
+def phase_breakdown(timed: list[tuple[float, dict[str, float]]], above_pct: float | None = None) -> dict | None:
+    """Mean client latency of the requests (those at or above the `above_pct` percentile of latency, if
+    given), split into the coordinator's Server-Timing phases (means, ms) and `outside`: client latency
+    minus the server's total (the network, the event loops, the client itself)."""
+    if above_pct is not None and timed:
+        cut = _pct([ms for ms, _ in timed], above_pct)
+        timed = [t for t in timed if t[0] >= cut]
+    timed = [t for t in timed if "total" in t[1]]  # answers without the header (an older coordinator)
+    if not timed:
+        return None
+    names = sorted({name for _, ph in timed for name in ph if name != "total"})
+    mean = {name: statistics.fmean(ph.get(name, 0.0) for _, ph in timed) for name in names}
+    server = statistics.fmean(ph["total"] for _, ph in timed)
+    return {"n": len(timed), "client_ms": _sig(statistics.fmean(ms for ms, _ in timed)), "server_ms": _sig(server),
+            "outside_ms": _sig(statistics.fmean(ms - ph["total"] for ms, ph in timed)),
+            "unnamed_ms": _sig(server - sum(mean.values())),  # in the server, outside every phase
+            "phases_ms": {name: _sig(v) for name, v in sorted(mean.items(), key=lambda kv: -kv[1])}}
 
 
 def _retry_after(resp: httpx.Response, default: float = 1.0) -> float:
@@ -351,7 +376,8 @@ async def _client(job: ClientJob) -> dict:
         results = await asyncio.gather(*tasks, *extra, return_exceptions=True)
     shas.engine.dispose()
     crashed = [repr(r) for r in results if isinstance(r, BaseException)]
-    return {"index": job.index, "workers": n, "lat": rec.lat, "status": rec.status, "errors": rec.errors + crashed,
+    return {"index": job.index, "workers": n, "lat": rec.lat, "timed": rec.timed, "status": rec.status,
+            "errors": rec.errors + crashed,
             "cycles": rec.cycles, "no_sha": rec.no_sha, "late_s": late,
             "cpu_s": cpu.get("end", 0.0) - cpu.get("start", 0.0),
             "window_s": job.t_end - job.t_measure, "lag_ms": lag,
@@ -774,7 +800,10 @@ def _step(n: int, *, url: str, http: httpx.Client, proc: subprocess.Popen, token
                 "p99_ms": _pct(xs, 99), "max_ms": _sig(max(xs)) if xs else None, "status": status[kind]}
 
     busy, total = m1[0] - m0[0], m1[1] - m0[1]
+    timed = {kind: [x for p in parts_out for x in p["timed"][kind]] for kind in TIMED_KINDS}
     return {"workers": n, "clients": k, "requests_per_s": _sig(requests / window),
+            "phases": {kind: {"all": phase_breakdown(timed[kind]), "slowest_1pct": phase_breakdown(timed[kind], 99)}
+                       for kind in TIMED_KINDS},
             "cycles_per_s": _sig(sum(p["cycles"] for p in parts_out) / window),
             "expected_cycles_per_s": _sig(n / think_s),
             **{kind: summary(kind) for kind in KINDS},
@@ -962,6 +991,14 @@ def markdown(result: dict) -> str:
                          f"on a lock {_fmt(pg['mean_lock_wait'])} / {pg['max_lock_wait']}, idle in transaction "
                          f"{_fmt(pg['mean_idle_in_transaction'])} / {pg['max_idle_in_transaction']}; waiting "
                          f"statements: {waits}.")
+        for kind in TIMED_KINDS:
+            b = (r.get("phases") or {}).get(kind, {}).get("slowest_1pct")
+            if b:
+                top = ", ".join(f"{name} {_fmt(ms)}" for name, ms in list(b["phases_ms"].items())[:5])
+                lines.append(f"- N = {r['workers']:,}, the slowest 1% of {kind}s ({b['n']}, mean "
+                             f"{_fmt(b['client_ms'])} ms): in the coordinator {_fmt(b['server_ms'])} ms ({top}; "
+                             f"unnamed {_fmt(b['unnamed_ms'])}), outside it {_fmt(b['outside_ms'])} ms "
+                             "(Server-Timing).")
         if r["error_samples"]:
             lines.append(f"- N = {r['workers']:,}, first errors: " + "; ".join(
                 f"`{e[:120]}`" for e in r["error_samples"][:3]))

@@ -17,7 +17,7 @@ import torch
 from fastapi import FastAPI
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
-from coordinator import leader
+from coordinator import leader, timing
 from coordinator.api import blobs, dashboard, errors, metrics, relay, runs, workers
 from coordinator.merger import Merger
 from coordinator.service import Coordinator
@@ -119,6 +119,7 @@ def create_app(settings: CoordinatorSettings, *, start_merger: bool = True) -> F
 
     app = FastAPI(title="idletrain coordinator", version=str(protocol.API_VERSION), lifespan=lifespan)
     errors.install(app)
+    app.add_middleware(timing.ServerTiming)  # each answer says where its time went (coordinator/timing.py)
 
     @app.get("/healthz", response_model=protocol.Health, tags=["health"])
     async def healthz() -> protocol.Health:

@@ -25,7 +25,7 @@ from sqlalchemy import and_, case, func, or_, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
-from coordinator import credit, scheduler, trust
+from coordinator import credit, scheduler, timing, trust
 from coordinator.db import init_db, make_engine, make_sessionmaker
 from coordinator.errors import (Conflict, Forbidden, Gone, NotFound, RunUnrecoverable, TooManyRequests, Unauthorized,
                                 Unavailable, Unprocessable)
@@ -450,7 +450,7 @@ class Coordinator:
         if not token:
             raise Unauthorized("missing bearer token: register with POST /api/v1/runs/{run}/workers",
                                headers={"WWW-Authenticate": "Bearer"})
-        with self.sessions() as s:
+        with timing.phase("auth"), self.sessions() as s:
             worker = s.scalar(select(Worker).where(Worker.token_hash == _hash_secret(token)))
             if worker is None:
                 raise Unauthorized("unknown token", headers={"WWW-Authenticate": "Bearer"})
@@ -507,7 +507,12 @@ class Coordinator:
         except `keep`: the one whose delta it is still uploading while it trains the next round."""
         self._rate_limit("lease", worker)
         if time.monotonic() - self._expired_at >= self.EXPIRE_EVERY_S:  # the merger sweeps too, every second
-            self.expire_leases()
+            with timing.phase("expire"):
+                self.expire_leases()
+        with timing.phase("lease"):
+            return self._grant_lease(run_name, worker, keep)
+
+    def _grant_lease(self, run_name: str, worker: Worker, keep: int | None) -> protocol.Lease | None:
         # Claim a shard with a conditional UPDATE: of concurrent requests that picked the same
         # shard exactly one changes the row, the others pick again (SQLite ignores FOR UPDATE). On
         # PostgreSQL the candidate read is FOR UPDATE SKIP LOCKED, so concurrent requests take
@@ -659,8 +664,9 @@ class Coordinator:
 
     def accept_delta(self, lease_id: int, worker: Worker, body: bytes) -> protocol.DeltaAccepted:
         self._rate_limit("upload", worker)
-        digest = hashlib.sha256(body).hexdigest()
-        with self.sessions() as s:
+        with timing.phase("hash"):
+            digest = hashlib.sha256(body).hexdigest()
+        with timing.phase("check"), self.sessions() as s:
             lease = self._own_lease(s, lease_id, worker)
             prior = s.scalar(select(DeltaRecord).where(DeltaRecord.lease_id == lease_id))
             if prior is not None:
@@ -674,7 +680,8 @@ class Coordinator:
             cfg = RunConfig.model_validate_json(run.config_json)
         try:
             # the codec's every check (decode_flat's), without building the delta: the merger decodes it
-            delta = codec.check_flat(body, schema=self.schema_of(lease.run_id))
+            with timing.phase("validate"):
+                delta = codec.check_flat(body, schema=self.schema_of(lease.run_id))
         except DeltaFormatError as exc:
             self._count_rejection(worker.id, lease.run_id, len(body))
             raise Unprocessable(f"delta refused: {exc}") from None
@@ -696,7 +703,20 @@ class Coordinator:
                        f"above the run's limit of {cfg.outer.max_staleness}; take a new lease")
         tokens = scheduler.round_tokens(steps=cfg.inner.steps, batch_size=cfg.inner.batch_size,
                                         context=cfg.model.context)
-        with self._ack_lock, self.sessions() as s:
+        with timing.phase("ack_wait"):
+            self._ack_lock.acquire()
+        try:
+            with self.sessions() as s:
+                return self._ack(s, lease, worker, body, digest, tokens, cfg)
+        finally:
+            self._ack_lock.release()
+
+    def _ack(self, s: Session, lease: Lease, worker: Worker, body: bytes, digest: str, tokens: int,
+             cfg: RunConfig) -> protocol.DeltaAccepted:
+        """The acknowledgement itself, under the process's _ack_lock: the delta's sequence number, its
+        bytes written durably, then its row and every count, in one transaction."""
+        lease_id = lease.id
+        with timing.phase("lock"):
             prior = s.scalar(select(DeltaRecord).where(DeltaRecord.lease_id == lease_id))
             if prior is not None:  # the same upload raced itself; the first one won
                 if prior.sha256 != digest:
@@ -707,9 +727,10 @@ class Coordinator:
             # foreign-key checks of concurrent lease INSERTs on this run (FOR UPDATE would, and a
             # lease request of the same worker holding its row would then deadlock with this upload)
             run = s.get(Run, lease.run_id, with_for_update={"key_share": True})
-            seq = run.next_seq
-            # Bytes first, durably; only then the row that makes the delta real.
+        seq = run.next_seq
+        with timing.phase("write"):  # bytes first, durably; only then the row that makes the delta real
             self.storage.write(self.storage.delta(run.id, seq), body)
+        with timing.phase("commit"):
             rec = DeltaRecord(run_id=run.id, lease_id=lease_id, worker_id=worker.id, seq=seq,
                               base_version=lease.base_version, size_bytes=len(body), sha256=digest,
                               tokens=tokens, steps=cfg.inner.steps)
@@ -729,7 +750,7 @@ class Coordinator:
                 tokens_trained=Worker.tokens_trained + tokens, deltas_accepted=Worker.deltas_accepted + 1,
                 bytes_up=Worker.bytes_up + len(body)))
             s.commit()
-            return protocol.DeltaAccepted(lease_id=lease_id, delta_id=rec.id, will_merge_into=seq)
+        return protocol.DeltaAccepted(lease_id=lease_id, delta_id=rec.id, will_merge_into=seq)
 
     # -- sparse exchanges (sparta) -------------------------------------------------------------
 

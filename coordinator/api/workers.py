@@ -9,6 +9,7 @@ from fastapi import APIRouter, Query, Request, Response
 from starlette.requests import ClientDisconnect
 from starlette.concurrency import run_in_threadpool
 
+from coordinator import timing
 from coordinator.api import relay
 from coordinator.api.deps import AdminDep, CoordinatorDep, CurrentWorker, RowId
 from coordinator.errors import PayloadTooLarge, ServiceError
@@ -81,7 +82,8 @@ async def upload_delta(lease_id: RowId, request: Request, coord: CoordinatorDep,
     ctype = request.headers.get("content-type", "").split(";")[0].strip()
     if ctype != "application/octet-stream":
         raise ServiceError(f"send the delta as application/octet-stream, not {ctype or 'nothing'}")
-    body = await read_capped(request, coord.settings.max_upload_bytes)
+    with timing.phase("body"):
+        body = await read_capped(request, coord.settings.max_upload_bytes)
     return await run_in_threadpool(coord.accept_delta, lease_id, worker, body)
 
 

@@ -48,6 +48,13 @@ def _check(res: dict, out, *, pull: str) -> None:
     png = (out / "p99.png").read_bytes()
     assert png.startswith(b"\x89PNG") and len(png) > 5_000
     assert all(math.isfinite(x) for x in (row["lease"]["p99_ms"], row["upload"]["p99_ms"]))
+    # the coordinator's Server-Timing breaks the requests down: the phases fit in its total
+    for kind, phases in (("lease", {"auth", "lease"}), ("upload", {"auth", "validate", "lock", "write", "commit"})):
+        b = row["phases"][kind]["all"]
+        assert b["n"] > 0 and phases <= set(b["phases_ms"]), b
+        assert sum(b["phases_ms"].values()) <= b["server_ms"] + 0.1 and b["server_ms"] <= b["client_ms"] + 0.1
+        assert row["phases"][kind]["slowest_1pct"]["client_ms"] >= b["client_ms"]
+    assert "the slowest 1% of uploads" in md
 
 
 @pytest.mark.slow
