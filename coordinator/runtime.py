@@ -38,7 +38,7 @@ from shared.algorithms.outer import FlatOuter, OuterState, staleness_weight
 from shared.config import RunConfig
 from shared.errors import DeltaFormatError
 from shared.model import TransformerLM, build_model, evaluate_loss, get_params, param_schema, set_params
-from shared.snapshot import encode_snapshot_flat
+from shared.snapshot import encode_snapshot_flat_parts, safetensors_parts
 
 log = logging.getLogger(__name__)
 
@@ -108,13 +108,17 @@ class RunRuntime:
     def write_snapshot(self) -> tuple[str, int]:
         """Write the current weights as version `self.version`; returns (sha256, size)."""
         t0 = time.monotonic()
-        blob = encode_snapshot_flat(self.outer.weights_flat(), self.outer.shapes, metadata={
+        # in parts, never joined: a 460 MB join would hold the GIL (every request of this process waits)
+        parts = encode_snapshot_flat_parts(self.outer.weights_flat(), self.outer.shapes, metadata={
             "run": self.config.name, "version": str(self.version),
             "model": json.dumps(self.config.model.to_dict())})
-        self.storage.write(self.storage.snapshot(self.run_id, self.version), blob)
+        self.storage.write(self.storage.snapshot(self.run_id, self.version), parts)
         self.snapshot_done_at = time.monotonic()
         self.snapshot_cost_s, self.snapshot_version = self.snapshot_done_at - t0, self.version
-        return hashlib.sha256(blob).hexdigest(), len(blob)
+        digest = hashlib.sha256()
+        for part in parts:
+            digest.update(part)
+        return digest.hexdigest(), sum(len(part) for part in parts)
 
     SNAPSHOT_FREE_S = 0.25  # snapshots quicker than this are never held back
 
@@ -136,11 +140,15 @@ class RunRuntime:
         meta = {"version": str(self.version), "in_group": str(self.outer.in_group),
                 "norm_history": json.dumps(self.norm_history), "last_exchange_id": str(self.last_exchange_id),
                 "config": self.config.model_dump_json(), **outer_meta}
-        raw = safetensors.torch.save(tensors, metadata=meta)
-        digest = hashlib.sha256(raw).hexdigest()
+        # The file in parts straight from the tensors' memory: nothing copied, so the GIL is not held
+        # for seconds (safetensors.torch.save and a join would: every request of this process waits).
+        parts = safetensors_parts(tensors, meta)
+        digest = hashlib.sha256()
+        for part in parts:
+            digest.update(part)
         # The hash sits beside the data so a torn or corrupted file is detected on load.
         path = self.storage.checkpoint(self.run_id, self.version)
-        self.storage.write(path, digest.encode() + b"\n" + raw)
+        self.storage.write(path, [digest.hexdigest().encode() + b"\n", *parts])
         for _, old in self.storage.list_checkpoints(self.run_id)[self.CHECKPOINTS_KEPT:]:
             old.unlink(missing_ok=True)
         return path

@@ -5,6 +5,7 @@ Deltas that every kept checkpoint already holds are deleted unless the operator 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 from shared.files import atomic_write
@@ -74,7 +75,8 @@ class Storage:
                 found.append((int(path.stem), path))
         return sorted(found, reverse=True)
 
-    def write(self, path: Path, data: bytes) -> None:
+    def write(self, path: Path, data: bytes | Sequence[bytes | memoryview]) -> None:
+        """Atomically, durably: one buffer, or parts written back to back (never joined in memory)."""
         atomic_write(path, data)
 
     def read(self, path: Path) -> bytes:

@@ -40,3 +40,17 @@ def test_a_failed_write_leaves_the_old_file(tmp_path, monkeypatch):
         files.atomic_write(path, b"new")
     assert path.read_bytes() == b"old"
     assert [p.name for p in tmp_path.iterdir()] == ["blob"]
+
+
+def test_parts_are_written_back_to_back_and_synced_as_they_add_up(tmp_path, monkeypatch):
+    import numpy as np
+
+    monkeypatch.setattr(files, "SYNC_CHUNK", 1000)
+    synced = []
+    real = os.fdatasync
+    monkeypatch.setattr(os, "fdatasync", lambda fd: (synced.append(os.fstat(fd).st_size), real(fd))[1])
+    arr = np.arange(300, dtype=np.float32)  # 1,200 bytes, handed over as a typed memoryview
+    parts = [b"head", memoryview(arr), bytearray(b"x" * 800), b""]
+    files.atomic_write(tmp_path / "parts", parts)
+    assert (tmp_path / "parts").read_bytes() == b"head" + arr.tobytes() + b"x" * 800
+    assert synced == [1004, 2004]  # a sync whenever 1,000 unsynced bytes have gathered, across parts

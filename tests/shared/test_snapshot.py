@@ -5,13 +5,15 @@ from __future__ import annotations
 import json
 import struct
 
+import numpy as np
 import pytest
 import safetensors.torch
 import torch
 import zstandard
 
 from shared.errors import SnapshotError
-from shared.snapshot import decode_snapshot, encode_snapshot, encode_snapshot_flat, max_snapshot_bytes
+from shared.snapshot import (decode_snapshot, encode_snapshot, encode_snapshot_flat, encode_snapshot_flat_parts,
+                             max_snapshot_bytes, safetensors_parts)
 
 SCHEMA = {"a.weight": (4, 3), "b": (5,)}
 
@@ -158,3 +160,32 @@ def test_from_one_flat_vector_the_same_bytes(monkeypatch):
         encode_snapshot_flat(flat[:-1], SCHEMA)
     with pytest.raises(ValueError, match="contiguous fp32"):
         encode_snapshot_flat(flat.double(), SCHEMA)
+
+
+def test_safetensors_parts_are_a_file_safetensors_reads_built_from_the_tensors_own_memory():
+    tensors = {"flat/t": torch.randn(7), "idx": torch.arange(5, dtype=torch.int64), "half": torch.randn(3).half(),
+               "bf": torch.randn(2, 2).bfloat16(), "mask": torch.tensor([True, False, True]),
+               "scalar": torch.tensor(2.5), "empty": torch.zeros(0, 3)}
+    meta = {"version": "12", "outer_form": "flat1"}
+    parts = safetensors_parts(tensors, meta)
+    raw = b"".join(bytes(p) for p in parts)
+    back = safetensors.torch.load(raw)
+    assert set(back) == set(tensors)
+    for name, t in tensors.items():
+        assert back[name].dtype == t.dtype and torch.equal(back[name], t), name
+    head_len = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + head_len])
+    assert header["__metadata__"] == meta and (8 + head_len) % 8 == 0
+    starts = {name: header[name]["data_offsets"][0] for name in tensors}
+    assert all(starts[n] % tensors[n].element_size() == 0 for n in tensors)  # each aligned to its element
+    # the data parts are the tensors' memory, not copies
+    assert np.shares_memory(np.asarray(parts[1 + sorted(tensors, key=lambda n: -tensors[n].element_size())
+                                                 .index("flat/t")]), tensors["flat/t"].numpy())
+    with pytest.raises(ValueError, match="complex"):
+        safetensors_parts({"c": torch.zeros(2, dtype=torch.complex64)})
+
+
+def test_encode_snapshot_flat_parts_join_to_encode_snapshot_flat():
+    flat = torch.randn(17)
+    parts = encode_snapshot_flat_parts(flat, SCHEMA, metadata={"v": "1"})
+    assert len(parts) > 1 and b"".join(parts) == encode_snapshot_flat(flat, SCHEMA, metadata={"v": "1"})
