@@ -108,6 +108,7 @@ def create_app(settings: CoordinatorSettings, *, start_merger: bool = True) -> F
         app.state.coordinator, app.state.merger = coord, merger
         election = Election(app, coord, merger, start_merger=start_merger)
         election.start()
+        coord.warm_up()
         try:
             yield
         finally:
