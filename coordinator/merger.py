@@ -101,13 +101,15 @@ class Merger:
         were processed (0: none queued)."""
         settings, cfg = self.coord.settings, rt.config
         with self.coord.sessions() as s:
-            rows = s.execute(select(DeltaRecord.seq, DeltaRecord.base_version).where(
+            rows = s.execute(select(DeltaRecord.seq, DeltaRecord.base_version, DeltaRecord.lease_id,
+                                    DeltaRecord.sha256).where(
                 DeltaRecord.run_id == rt.run_id, DeltaRecord.seq > rt.version,
                 DeltaRecord.seq <= rt.version + self.BATCH + 1).order_by(DeltaRecord.seq)).all()
         items: list[tuple[int, int]] = []
-        for seq, base in rows[:self.BATCH]:
+        for seq, base, lease_id, sha in rows[:self.BATCH]:
             if seq != rt.version + 1 + len(items):
                 break  # a gap: the row of the next sequence number is not committed yet
+            rt.storage.adopt_delta(rt.run_id, seq, lease_id, sha)  # staged by the upload: now named by seq
             items.append((seq, base))
             # a batch ends where a snapshot, an evaluation or a checkpoint is due
             if any(seq % every == 0 for every in (settings.snapshot_every, cfg.eval_every, settings.checkpoint_every)):
@@ -117,7 +119,7 @@ class Merger:
         last = items[-1][0]
         # a snapshot every snapshot_every versions, and when the batch empties the queue, within the
         # snapshots' share of the merger's time (settings.snapshot_duty; the idle loop catches up)
-        snapshot = ((last % settings.snapshot_every == 0 or not any(seq == last + 1 for seq, _ in rows))
+        snapshot = ((last % settings.snapshot_every == 0 or not any(row[0] == last + 1 for row in rows))
                     and rt.snapshot_allowed(settings.snapshot_duty))
         t0 = time.perf_counter()
         # The version is committed before the lock is released: an exchange that follows this

@@ -18,6 +18,7 @@ import secrets
 import threading
 import time
 from datetime import datetime, timedelta, timezone
+from pathlib import Path
 
 import torch
 import zstandard
@@ -300,6 +301,7 @@ class Coordinator:
         that came before it (their rows stay: they are counted, and keep a retried exchange from being
         applied twice). A restart from any kept checkpoint replays only what comes after it. Nothing
         goes with keep_deltas. Returns the number of delta files deleted."""
+        self._drop_stale_staged(rt.run_id)
         if self.settings.keep_deltas:
             return 0
         kept = self.storage.list_checkpoints(rt.run_id)
@@ -317,11 +319,38 @@ class Coordinator:
                   rt.config.name, through, gone)
         return gone
 
+    STAGED_KEEP_S = 3600.0  # a staged delta file this old is a leftover unless its delta still waits for it
+
+    def _drop_stale_staged(self, run_id: int, now: float | None = None) -> int:
+        """Delete staged delta files (storage.staged_delta) older than STAGED_KEEP_S that no queued delta
+        will adopt: an upload that died before its row was committed (never acknowledged), or a retry's
+        second copy of a delta already renamed to its sequence number. Returns how many went."""
+        now = time.time() if now is None else now
+        gone = 0
+        for path in self.storage.deltas(run_id).glob("lease-*.staged"):
+            try:
+                if now - path.stat().st_mtime < self.STAGED_KEEP_S:
+                    continue
+                _, lease_part, sha_part = path.stem.split("-")
+                lease_id = int(lease_part)
+            except (OSError, ValueError):
+                continue
+            with self.sessions() as s:
+                rec = s.execute(select(DeltaRecord.seq, DeltaRecord.sha256).where(
+                    DeltaRecord.lease_id == lease_id)).first()
+            waits = (rec is not None and rec.sha256.startswith(sha_part)
+                     and not self.storage.delta(run_id, rec.seq).exists())
+            if not waits:
+                path.unlink(missing_ok=True)
+                gone += 1
+        return gone
+
     def _replay(self, rt: RunRuntime, up_to: int) -> tuple[int, int]:
         """Bring `rt` from its checkpoint to version `up_to`: after each version, the exchanges
         that followed it (by id), then the next delta. Snapshots are already on disk."""
         with self.sessions() as s:
-            todo = s.execute(select(DeltaRecord.seq, DeltaRecord.base_version).where(
+            todo = s.execute(select(DeltaRecord.seq, DeltaRecord.base_version, DeltaRecord.lease_id,
+                                    DeltaRecord.sha256).where(
                 DeltaRecord.run_id == rt.run_id, DeltaRecord.seq > rt.version,
                 DeltaRecord.seq <= up_to).order_by(DeltaRecord.seq)).all()
         n_exchanges = 0
@@ -337,7 +366,8 @@ class Coordinator:
                 n_exchanges += 1
 
         exchanges_after(rt.version)
-        for seq, base_version in todo:
+        for seq, base_version, lease_id, sha in todo:
+            self.storage.adopt_delta(rt.run_id, seq, lease_id, sha)  # acknowledged, not merged before the crash
             rt.merge(seq=seq, base_version=base_version, write_snapshot=False)
             exchanges_after(seq)
         return len(todo), n_exchanges
@@ -715,23 +745,29 @@ class Coordinator:
                        f"above the run's limit of {cfg.outer.max_staleness}; take a new lease")
         tokens = scheduler.round_tokens(steps=cfg.inner.steps, batch_size=cfg.inner.batch_size,
                                         context=cfg.model.context)
+        # Bytes first, durably, under a name of their lease and content, before the serial section:
+        # only the row then makes the delta real, and the merger renames the file to its sequence number.
+        staged = self.storage.staged_delta(lease.run_id, lease_id, digest)
+        with timing.phase("write"):
+            self.storage.write(staged, body)
         with timing.phase("ack_wait"):
             self._ack_lock.acquire()
         try:
             with self.sessions() as s:
-                return self._ack(s, lease, worker, body, digest, tokens, cfg)
+                return self._ack(s, lease, worker, body, digest, tokens, cfg, staged)
         finally:
             self._ack_lock.release()
 
     def _ack(self, s: Session, lease: Lease, worker: Worker, body: bytes, digest: str, tokens: int,
-             cfg: RunConfig) -> protocol.DeltaAccepted:
+             cfg: RunConfig, staged: Path) -> protocol.DeltaAccepted:
         """The acknowledgement itself, under the process's _ack_lock: the delta's sequence number, its
-        bytes written durably, then its row and every count, in one transaction."""
+        row and every count, in one transaction (its bytes are on disk already, at `staged`)."""
         lease_id = lease.id
         with timing.phase("lock"):
             prior = s.scalar(select(DeltaRecord).where(DeltaRecord.lease_id == lease_id))
             if prior is not None:  # the same upload raced itself; the first one won
                 if prior.sha256 != digest:
+                    staged.unlink(missing_ok=True)  # ours alone: the delivered delta's file has another name
                     raise Conflict(f"lease {lease_id} already delivered a different delta")
                 return protocol.DeltaAccepted(lease_id=lease_id, delta_id=prior.id,
                                               will_merge_into=prior.seq, duplicate=True)
@@ -740,8 +776,6 @@ class Coordinator:
             # lease request of the same worker holding its row would then deadlock with this upload)
             run = s.get(Run, lease.run_id, with_for_update={"key_share": True})
         seq = run.next_seq
-        with timing.phase("write"):  # bytes first, durably; only then the row that makes the delta real
-            self.storage.write(self.storage.delta(run.id, seq), body)
         with timing.phase("commit"):
             rec = DeltaRecord(run_id=run.id, lease_id=lease_id, worker_id=worker.id, seq=seq,
                               base_version=lease.base_version, size_bytes=len(body), sha256=digest,

@@ -5,10 +5,11 @@ Deltas that every kept checkpoint already holds are deleted unless the operator 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from shared.files import atomic_write
+from shared.files import atomic_write, sync_dir
 
 
 PRUNED_MARK = "pruned-through"  # in a run's deltas folder: deltas up to this version were deleted
@@ -41,6 +42,23 @@ class Storage:
 
     def delta(self, run_id: int, seq: int) -> Path:
         return self.deltas(run_id) / f"{seq:010d}.delta"
+
+    def staged_delta(self, run_id: int, lease_id: int, sha256: str) -> Path:
+        """Where an upload writes its bytes, durably, before it takes a sequence number: named by its
+        lease and content, so the serial part of an acknowledgement holds no file operation. The
+        merger (or a restart's replay) renames it to its sequence number with `adopt_delta`."""
+        return self.deltas(run_id) / f"lease-{lease_id:010d}-{sha256[:32]}.staged"
+
+    def adopt_delta(self, run_id: int, seq: int, lease_id: int, sha256: str) -> Path:
+        """The file of delta `seq`, renamed from its staged name if it is not there yet (a rename
+        and a sync of the folder: atomic, so a crash leaves one name or the other)."""
+        path = self.delta(run_id, seq)
+        if not path.exists():
+            staged = self.staged_delta(run_id, lease_id, sha256)
+            if staged.exists():
+                os.replace(staged, path)
+                sync_dir(path.parent)
+        return path
 
     def pruned_through(self, run_id: int) -> int:
         """The version up to which this run's received deltas (and exchange bodies) were deleted; 0: none."""

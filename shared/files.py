@@ -40,8 +40,13 @@ def atomic_write(path: Path, data: bytes | memoryview | Sequence[bytes | memoryv
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    sync_dir(path.parent)
+
+
+def sync_dir(folder: Path) -> None:
+    """fsync a folder, so a rename or a new file in it survives a crash."""
     try:  # not every platform can open a folder (Windows); the rename is durable enough there
-        dir_fd = os.open(path.parent, os.O_RDONLY)
+        dir_fd = os.open(folder, os.O_RDONLY)
     except OSError:
         return
     try:
