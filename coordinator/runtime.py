@@ -43,6 +43,14 @@ from shared.snapshot import encode_snapshot_flat_parts, safetensors_parts
 log = logging.getLogger(__name__)
 
 
+def _sha256(parts: Sequence[bytes | memoryview]) -> str:
+    """The sha256 (hex) of parts written back to back, without joining them."""
+    digest = hashlib.sha256()
+    for part in parts:
+        digest.update(part)
+    return digest.hexdigest()
+
+
 @dataclasses.dataclass(frozen=True)
 class MergeOutcome:
     version: int
@@ -115,10 +123,7 @@ class RunRuntime:
         self.storage.write(self.storage.snapshot(self.run_id, self.version), parts)
         self.snapshot_done_at = time.monotonic()
         self.snapshot_cost_s, self.snapshot_version = self.snapshot_done_at - t0, self.version
-        digest = hashlib.sha256()
-        for part in parts:
-            digest.update(part)
-        return digest.hexdigest(), sum(len(part) for part in parts)
+        return _sha256(parts), sum(len(part) for part in parts)
 
     SNAPSHOT_FREE_S = 0.25  # snapshots quicker than this are never held back
 
@@ -143,12 +148,9 @@ class RunRuntime:
         # The file in parts straight from the tensors' memory: nothing copied, so the GIL is not held
         # for seconds (safetensors.torch.save and a join would: every request of this process waits).
         parts = safetensors_parts(tensors, meta)
-        digest = hashlib.sha256()
-        for part in parts:
-            digest.update(part)
         # The hash sits beside the data so a torn or corrupted file is detected on load.
         path = self.storage.checkpoint(self.run_id, self.version)
-        self.storage.write(path, [digest.hexdigest().encode() + b"\n", *parts])
+        self.storage.write(path, [_sha256(parts).encode() + b"\n", *parts])
         for _, old in self.storage.list_checkpoints(self.run_id)[self.CHECKPOINTS_KEPT:]:
             old.unlink(missing_ok=True)
         return path

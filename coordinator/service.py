@@ -300,7 +300,8 @@ class Coordinator:
         them: the received delta files up to the oldest one's version, and the bodies of the exchanges
         that came before it (their rows stay: they are counted, and keep a retried exchange from being
         applied twice). A restart from any kept checkpoint replays only what comes after it. Nothing
-        goes with keep_deltas. Returns the number of delta files deleted."""
+        goes with keep_deltas. Staged files no delta will adopt go either way (_drop_stale_staged).
+        Returns the number of delta files deleted."""
         self._drop_stale_staged(rt.run_id)
         if self.settings.keep_deltas:
             return 0
@@ -327,13 +328,11 @@ class Coordinator:
         second copy of a delta already renamed to its sequence number. Returns how many went."""
         now = time.time() if now is None else now
         gone = 0
-        for path in self.storage.deltas(run_id).glob("lease-*.staged"):
+        for path, lease_id, sha_part in self.storage.staged_deltas(run_id):
             try:
                 if now - path.stat().st_mtime < self.STAGED_KEEP_S:
                     continue
-                _, lease_part, sha_part = path.stem.split("-")
-                lease_id = int(lease_part)
-            except (OSError, ValueError):
+            except OSError:  # gone meanwhile (renamed by the merger)
                 continue
             with self.sessions() as s:
                 rec = s.execute(select(DeltaRecord.seq, DeltaRecord.sha256).where(

@@ -6,7 +6,7 @@ Deltas that every kept checkpoint already holds are deleted unless the operator 
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from shared.files import atomic_write, sync_dir
@@ -37,7 +37,8 @@ class Storage:
         return self.run_dir(run_id) / "updates" / f"{from_version:010d}-{to_version:010d}.delta"
 
     def deltas(self, run_id: int) -> Path:
-        """The folder of a run's received deltas, one file per sequence number: `<seq>.delta`."""
+        """The folder of a run's received deltas: one file per sequence number (`<seq>.delta`), the
+        staged files of uploads not merged yet (`staged_delta`) and the prune mark (PRUNED_MARK)."""
         return self.run_dir(run_id) / "deltas"
 
     def delta(self, run_id: int, seq: int) -> Path:
@@ -48,6 +49,13 @@ class Storage:
         lease and content, so the serial part of an acknowledgement holds no file operation. The
         merger (or a restart's replay) renames it to its sequence number with `adopt_delta`."""
         return self.deltas(run_id) / f"lease-{lease_id:010d}-{sha256[:32]}.staged"
+
+    def staged_deltas(self, run_id: int) -> Iterator[tuple[Path, int, str]]:
+        """Every staged delta file of the run: (path, lease id, the start of its content's sha256)."""
+        for path in self.deltas(run_id).glob("lease-*.staged"):
+            _, lease_part, sha_part = (path.stem.split("-") + ["", ""])[:3]
+            if lease_part.isdigit() and sha_part:
+                yield path, int(lease_part), sha_part
 
     def adopt_delta(self, run_id: int, seq: int, lease_id: int, sha256: str) -> Path:
         """The file of delta `seq`, renamed from its staged name if it is not there yet (a rename

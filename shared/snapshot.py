@@ -66,16 +66,11 @@ def _encode_parts(pieces: list[tuple[str, tuple[int, ...], np.ndarray]], metadat
     bytes back to back in the order given. Every byte is a pure function of the contents (one
     metadata key holding sorted JSON, keys in a fixed order), so the snapshot's hash is too; and
     safetensors' own reader (decode_snapshot) checks it all on the way back."""
-    header: dict[str, object] = {"__metadata__": {"idletrain": json.dumps(dict(metadata or {}), sort_keys=True)}}
-    pos = 0
-    for name, shape, arr in pieces:
-        header[name] = {"dtype": "F32", "shape": list(shape), "data_offsets": [pos, pos + arr.nbytes]}
-        pos += arr.nbytes
-    head = json.dumps(header, separators=(",", ":")).encode()
-    head += b" " * (-len(head) % 8)
-    total = 8 + len(head) + pos
+    head = _safetensors_header([(name, "F32", shape, arr.nbytes) for name, shape, arr in pieces],
+                               {"idletrain": json.dumps(dict(metadata or {}), sort_keys=True)})
+    total = len(head) + sum(arr.nbytes for _, _, arr in pieces)
     cobj = zstandard.ZstdCompressor(level=level, write_checksum=True, write_content_size=True).compressobj(size=total)
-    out = [cobj.compress(len(head).to_bytes(8, "little") + head)]
+    out = [cobj.compress(head)]
     for _, _, arr in pieces:
         raw = memoryview(np.ascontiguousarray(arr, dtype="<f4")).cast("B")
         for i in range(0, len(raw), _CHUNK):
@@ -99,19 +94,30 @@ def safetensors_parts(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str
     if np.little_endian is False:  # safetensors is little-endian; a big-endian host takes the slow way
         return [safetensors.torch.save(dict(tensors), metadata=dict(metadata) if metadata else None)]
     order = sorted(tensors, key=lambda name: -tensors[name].element_size())  # stable: same width keeps its order
-    header: dict[str, object] = {"__metadata__": dict(metadata)} if metadata else {}
-    datas, pos = [], 0
+    fields, datas = [], []
     for name in order:
         t = tensors[name].detach()
         if t.device.type != "cpu" or t.dtype not in _ST_DTYPES:
             raise ValueError(f"{name}: a {t.dtype} tensor on {t.device} cannot be written as safetensors here")
         raw = t.contiguous().reshape(-1).view(torch.uint8).numpy()
-        header[name] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [pos, pos + raw.nbytes]}
+        fields.append((name, _ST_DTYPES[t.dtype], tuple(t.shape), raw.nbytes))
         datas.append(memoryview(raw))
-        pos += raw.nbytes
+    return [_safetensors_header(fields, dict(metadata) if metadata else None), *datas]
+
+
+def _safetensors_header(fields: list[tuple[str, str, tuple[int, ...], int]],
+                        metadata: Mapping[str, str] | None) -> bytes:
+    """The start of a safetensors file whose tensors (name, dtype, shape, bytes) follow back to back
+    in the order given: the 8-byte header length, then the JSON header (metadata first, if any),
+    padded with spaces to a multiple of 8."""
+    header: dict[str, object] = {"__metadata__": dict(metadata)} if metadata else {}
+    pos = 0
+    for name, dtype, shape, nbytes in fields:
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [pos, pos + nbytes]}
+        pos += nbytes
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)
-    return [len(head).to_bytes(8, "little") + head, *datas]
+    return len(head).to_bytes(8, "little") + head
 
 
 def max_snapshot_bytes(schema: Mapping[str, tuple[int, ...]]) -> int:
