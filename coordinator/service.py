@@ -22,11 +22,11 @@ from pathlib import Path
 
 import torch
 import zstandard
-from sqlalchemy import and_, case, func, or_, select, update
+from sqlalchemy import Connection, Row, and_, case, func, or_, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
-from coordinator import credit, scheduler, timing, trust
+from coordinator import credit, queries, scheduler, timing, trust
 from coordinator.db import init_db, make_engine, make_sessionmaker
 from coordinator.errors import (Conflict, Forbidden, Gone, NotFound, RunUnrecoverable, TooManyRequests, Unauthorized,
                                 Unavailable, Unprocessable)
@@ -59,16 +59,11 @@ def _aware(dt: datetime) -> datetime:
     return dt if dt.tzinfo else dt.replace(tzinfo=timezone.utc)
 
 
-def _unheld(shard_id) -> object:
-    """SQL condition: no live lease holds this shard (a shard changes state only when it is free)."""
-    return ~select(Lease.id).where(Lease.shard_id == shard_id, Lease.state == "active").exists()
-
-
 def _end_lease(s: Session, lease: Lease, state: str) -> None:
     """Mark a live lease expired or abandoned; its shard goes back to the queue if nobody else holds it."""
     lease.state = state
     s.flush()
-    s.execute(update(Shard).where(Shard.id == lease.shard_id, Shard.state == "leased", _unheld(lease.shard_id))
+    s.execute(update(Shard).where(Shard.id == lease.shard_id, Shard.state == "leased", queries.unheld(lease.shard_id))
               .values(state="pending"))
 
 
@@ -96,6 +91,9 @@ class Coordinator:
         self.engine = make_engine(settings.resolved_database_url)
         init_db(self.engine)
         self.sessions: sessionmaker[Session] = make_sessionmaker(self.engine)
+        # single statements, each its own transaction: no BEGIN or ROLLBACK round trip around a read
+        self.reads = self.engine.execution_options(isolation_level="AUTOCOMMIT")
+        self._claim_shard = queries.claim_shard(skip_locked=self.engine.dialect.name == "postgresql")
         self.runtimes: dict[int, RunRuntime] = {}  # live models: only in the leading process (coordinator/leader.py)
         self._runtimes_lock = threading.Lock()
         self.leads = True  # whether this process holds the live models (the app sets it from the merger lock)
@@ -491,10 +489,11 @@ class Coordinator:
         if not token:
             raise Unauthorized("missing bearer token: register with POST /api/v1/runs/{run}/workers",
                                headers={"WWW-Authenticate": "Bearer"})
-        with timing.phase("auth"), self.sessions() as s:
-            worker = s.scalar(select(Worker).where(Worker.token_hash == _hash_secret(token)))
-            if worker is None:
+        with timing.phase("auth"), self.reads.connect() as c:
+            row = c.execute(queries.WORKER_BY_TOKEN, {"token": _hash_secret(token)}).first()
+            if row is None:
                 raise Unauthorized("unknown token", headers={"WWW-Authenticate": "Bearer"})
+            worker = Worker(**row._mapping)  # detached: the request reads it, nothing writes through it
             if worker.revoked:
                 raise Forbidden("this worker's token was revoked by the operator")
             if worker.standing == "banned":
@@ -503,8 +502,8 @@ class Coordinator:
             # last_seen feeds the dashboard's five-minute "live" window: a write every few seconds per
             # worker is plenty, not one per request
             if (now - _aware(worker.last_seen)).total_seconds() >= self.SEEN_EVERY_S:
+                c.execute(queries.WORKER_SEEN, {"worker": worker.id, "now": now})
                 worker.last_seen = now
-                s.commit()
             return worker
 
     # -- leases -------------------------------------------------------------------------------
@@ -530,7 +529,7 @@ class Coordinator:
                                   retry_after=wait)
 
     @staticmethod
-    def _check_throttle(s: Session, worker: Worker, cfg: RunConfig) -> None:
+    def _check_throttle(s: Session | Connection, worker: Worker, cfg: RunConfig) -> None:
         """429 while a throttled worker's next lease is not due yet."""
         if worker.standing != "throttled":
             return
@@ -554,78 +553,63 @@ class Coordinator:
             return self._grant_lease(run_name, worker, keep)
 
     def _grant_lease(self, run_name: str, worker: Worker, keep: int | None) -> protocol.Lease | None:
-        # Claim a shard with a conditional UPDATE: of concurrent requests that picked the same
-        # shard exactly one changes the row, the others pick again (SQLite ignores FOR UPDATE). On
-        # PostgreSQL the candidate read is FOR UPDATE SKIP LOCKED, so concurrent requests take
-        # different rows instead of queueing on one. Only the few best candidates are read, never
-        # every shard of the run. The worker's earlier leases are given up in the same transaction
-        # (each attempt again: a lost race rolls it back with the rest).
-        skip_locked = self.engine.dialect.name == "postgresql"
-        tried: set[int] = set()
+        # One transaction: give up the worker's earlier leases, claim a shard (queries.claim_shard:
+        # picked and claimed in one UPDATE, concurrent requests take different rows), insert the
+        # lease. Only when no pending shard was free does it look further: a new epoch when every
+        # shard is done, another try when pending shards were only being claimed that instant.
+        claim = self._claim_shard
         cfg: RunConfig | None = None
         for _ in range(16):
-            with self.sessions() as s:
-                run = self._run(s, run_name)
+            with self.engine.connect() as c:
+                run = c.execute(queries.RUN_FOR_LEASE, {"name": run_name}).first()
+                if run is None or run.state == "creating":
+                    raise NotFound(f"no run named {run_name!r}")
                 if cfg is None:  # the first attempt checks the request
                     if worker.run_id != run.id:
                         raise Forbidden(f"this worker is registered with another run, not {run_name!r}")
                     if run.state != "active":
                         return None
                     cfg = RunConfig.model_validate_json(run.config_json)
-                    self._check_throttle(s, worker, cfg)
+                    self._check_throttle(c, worker, cfg)
                     if keep is not None:
-                        self._own_lease(s, keep, worker)
+                        self._own_lease_row(c, keep, worker)
                 # A worker asking again has given up its previous lease (it restarted, or lost it), unless it
                 # says the lease's delta is on its way.
-                for old in s.scalars(select(Lease).where(Lease.worker_id == worker.id, Lease.state == "active",
-                                                         Lease.id != (keep if keep is not None else -1))):
-                    _end_lease(s, old, "abandoned")
-                query = (select(Shard.id, Shard.index, Shard.state, Shard.times_trained)
-                         .where(Shard.run_id == run.id, Shard.state == "pending", Shard.id.not_in(tried))
-                         .order_by(Shard.times_trained, Shard.index).limit(1 if skip_locked else 8))
-                if skip_locked:
-                    query = query.with_for_update(skip_locked=True, of=Shard)
-                views = [scheduler.ShardView(*row) for row in s.execute(query).all()]
-                if not views:  # nothing pending (or all being claimed): a new epoch only when every shard is done
-                    undone = dict(s.execute(select(Shard.state, func.count()).where(
-                        Shard.run_id == run.id, Shard.state != "done").group_by(Shard.state)).all())
+                for _old, shard_id in c.execute(queries.ABANDON_OTHERS, {
+                        "worker": worker.id, "keep": -1 if keep is None else keep}).all():
+                    c.execute(queries.FREE_SHARD, {"shard": shard_id})
+                claimed = c.execute(claim, {"run": run.id}).first()
+                if claimed is None:
+                    undone = dict(c.execute(queries.SHARDS_UNDONE, {"run": run.id}).all())
                     if undone.get("pending"):  # pending rows exist but others hold them this instant
-                        s.commit()
+                        c.commit()
                         continue
-                    views = [] if undone else [scheduler.ShardView(0, 0, "done", 0)]
-                pick = scheduler.pick_shard(views)
-                if pick.shard_id is None:
-                    s.commit()
-                    return None
-                if pick.new_epoch:  # every shard done: one request opens the next epoch, all then pick again
-                    opened = s.execute(update(Run).where(Run.id == run.id, Run.epoch == run.epoch)
+                    pick = scheduler.pick_shard([] if undone else [scheduler.ShardView(0, 0, "done", 0)])
+                    if pick.shard_id is None:  # the rest are all out on lease
+                        c.commit()
+                        return None
+                    # every shard done: one request opens the next epoch, all then pick again
+                    opened = c.execute(update(Run).where(Run.id == run.id, Run.epoch == run.epoch)
                                        .values(epoch=Run.epoch + 1)).rowcount
                     if opened:
-                        s.execute(update(Shard).where(Shard.run_id == run.id, Shard.state == "done")
+                        c.execute(update(Shard).where(Shard.run_id == run.id, Shard.state == "done")
                                   .values(state="pending"))
-                    s.commit()
-                    continue
-                claimed = s.execute(update(Shard).where(Shard.id == pick.shard_id, Shard.state == "pending")
-                                    .values(state="leased").returning(Shard.index, Shard.sha256)).first()
-                if claimed is None:
-                    s.rollback()
-                    tried.add(pick.shard_id)
+                    c.commit()
                     continue
                 now = utcnow()
-                s.execute(update(Worker).where(Worker.id == worker.id).values(last_lease_at=now))
+                c.execute(queries.WORKER_LEASED, {"worker": worker.id, "now": now})
                 lr = scheduled_lr(cfg.inner, tokens_done=run.tokens_trained, schedule_tokens=cfg.schedule_tokens)
-                lease = Lease(run_id=run.id, worker_id=worker.id, shard_id=pick.shard_id,
-                              base_version=self._newest_snapshot(s, run.id),
-                              seed=0, lr=lr, deadline=scheduler.lease_deadline(now, cfg.lease_ttl_s),
-                              created_at=now)
-                s.add(lease)
-                s.flush()
-                lease.seed = scheduler.lease_seed(cfg.seed, lease.id)
-                s.commit()
+                deadline = scheduler.lease_deadline(now, cfg.lease_ttl_s)
+                lease_id, base_version = c.execute(queries.INSERT_LEASE, {
+                    "run": run.id, "worker": worker.id, "shard": claimed.id, "lease_lr": lr,
+                    "until": deadline, "now": now}).one()
+                seed = scheduler.lease_seed(cfg.seed, lease_id)
+                c.execute(queries.LEASE_SEED, {"lease": lease_id, "lease_seed": seed})
+                c.commit()
                 return protocol.Lease(
-                    lease_id=lease.id, run=run.name, shard_id=claimed.index, shard_sha256=claimed.sha256,
-                    base_version=lease.base_version, seed=lease.seed, lr=lr, inner=cfg.inner,
-                    compression=cfg.compression, model=cfg.model.to_dict(), deadline=lease.deadline,
+                    lease_id=lease_id, run=run.name, shard_id=claimed.index, shard_sha256=claimed.sha256,
+                    base_version=base_version, seed=seed, lr=lr, inner=cfg.inner,
+                    compression=cfg.compression, model=cfg.model.to_dict(), deadline=deadline,
                     algorithm=cfg.algorithm, sparta=cfg.sparta)
         return None  # lost every race this time; the worker asks again after Retry-After
 
@@ -639,22 +623,25 @@ class Coordinator:
     def snapshot(self, run_name: str, version: str | int, *,
                  if_none_match: str | None = None) -> tuple[bytes | None, int, str]:
         """(blob, version, sha256); blob is None when `if_none_match` is the current ETag (nothing sent or counted)."""
-        with self.sessions() as s:
-            run = self._run(s, run_name)
-            v = self._newest_snapshot(s, run.id) if version == "latest" else int(version)
-            row = s.scalar(select(ModelVersion).where(ModelVersion.run_id == run.id, ModelVersion.version == v))
-            if row is None:
-                if 0 <= v <= run.version:
-                    raise Gone(f"version {v} is no longer kept; fetch snapshots/latest")
-                raise NotFound(f"run {run_name!r} has no version {v} (latest is {run.version})")
-            if if_none_match == f'"{row.sha256}"':
-                return None, v, row.sha256
-            try:
-                blob = self.storage.snapshot(run.id, v).read_bytes()
-            except FileNotFoundError:
-                raise Gone(f"version {v} is no longer kept; fetch snapshots/latest") from None
-            self.traffic.add(run.id, down_model=len(blob))
-            return blob, v, row.sha256
+        latest = version == "latest"
+        with self.reads.connect() as c:
+            row = c.execute(queries.SNAPSHOT_LATEST if latest else queries.SNAPSHOT_AT,
+                            {"name": run_name} if latest else {"name": run_name, "version": int(version)}).first()
+        if row is None or row.state == "creating":
+            raise NotFound(f"no run named {run_name!r}")
+        v = row.version
+        if row.sha256 is None:
+            if 0 <= v <= row.run_version:
+                raise Gone(f"version {v} is no longer kept; fetch snapshots/latest")
+            raise NotFound(f"run {run_name!r} has no version {v} (latest is {row.run_version})")
+        if if_none_match == f'"{row.sha256}"':
+            return None, v, row.sha256
+        try:
+            blob = self.storage.snapshot(row.run_id, v).read_bytes()
+        except FileNotFoundError:
+            raise Gone(f"version {v} is no longer kept; fetch snapshots/latest") from None
+        self.traffic.add(row.run_id, down_model=len(blob))
+        return blob, v, row.sha256
 
     def model_update(self, run_name: str, from_version: int, to_version: int) -> tuple[bytes, str]:
         """(blob, sha256): the int8 change from one kept version to a later one (shared/algorithms/sync.py).
@@ -690,16 +677,17 @@ class Coordinator:
         return blob, hashlib.sha256(blob).hexdigest()
 
     def shard(self, run_name: str, shard_index: int, worker: Worker) -> tuple[bytes, str]:
-        with self.sessions() as s:
-            run = self._run(s, run_name)
-            if worker.run_id != run.id:
-                raise Forbidden(f"this worker is registered with another run, not {run_name!r}")
-            shard = s.scalar(select(Shard).where(Shard.run_id == run.id, Shard.index == shard_index))
-            if shard is None:
-                raise NotFound(f"run {run_name!r} has no shard {shard_index}")
-            blob = self.storage.shard(run.id, shard.index).read_bytes()
-            self.traffic.add(run.id, worker.id, down_data=len(blob))
-            return blob, shard.sha256
+        with self.reads.connect() as c:
+            row = c.execute(queries.SHARD_OF, {"name": run_name, "index": shard_index}).first()
+        if row is None or row.state == "creating":
+            raise NotFound(f"no run named {run_name!r}")
+        if worker.run_id != row.run_id:
+            raise Forbidden(f"this worker is registered with another run, not {run_name!r}")
+        if row.sha256 is None:
+            raise NotFound(f"run {run_name!r} has no shard {shard_index}")
+        blob = self.storage.shard(row.run_id, row.index).read_bytes()
+        self.traffic.add(row.run_id, worker.id, down_data=len(blob))
+        return blob, row.sha256
 
     # -- deltas -------------------------------------------------------------------------------
 
@@ -707,18 +695,20 @@ class Coordinator:
         self._rate_limit("upload", worker)
         with timing.phase("hash"):
             digest = hashlib.sha256(body).hexdigest()
-        with timing.phase("check"), self.sessions() as s:
-            lease = self._own_lease(s, lease_id, worker)
-            prior = s.scalar(select(DeltaRecord).where(DeltaRecord.lease_id == lease_id))
-            if prior is not None:
-                if prior.sha256 == digest:  # a retry after a lost answer: same answer, merged once
-                    return protocol.DeltaAccepted(lease_id=lease_id, delta_id=prior.id,
-                                                  will_merge_into=prior.seq, duplicate=True)
-                raise Conflict(f"lease {lease_id} already delivered a different delta")
-            if lease.state == "abandoned":
-                raise Gone(f"lease {lease_id} was given up when this worker took a newer lease")
-            run = s.get(Run, lease.run_id)
-            cfg = RunConfig.model_validate_json(run.config_json)
+        with timing.phase("check"), self.reads.connect() as c:
+            lease = c.execute(queries.UPLOAD_CHECK, {"lease": lease_id}).first()
+        if lease is None:
+            raise NotFound(f"no lease {lease_id}")
+        if lease.worker_id != worker.id:
+            raise Forbidden(f"lease {lease_id} belongs to another worker")
+        if lease.delta_id is not None:
+            if lease.delta_sha256 == digest:  # a retry after a lost answer: same answer, merged once
+                return protocol.DeltaAccepted(lease_id=lease_id, delta_id=lease.delta_id,
+                                              will_merge_into=lease.delta_seq, duplicate=True)
+            raise Conflict(f"lease {lease_id} already delivered a different delta")
+        if lease.state == "abandoned":
+            raise Gone(f"lease {lease_id} was given up when this worker took a newer lease")
+        cfg = RunConfig.model_validate_json(lease.config_json)
         try:
             # the codec's every check (decode_flat's), without building the delta: the merger decodes it
             with timing.phase("validate"):
@@ -732,15 +722,15 @@ class Coordinator:
                                 f"but lease {lease_id} handed out version {lease.base_version}")
         if cfg.algorithm != "sparta" and not delta.n_entries:
             self._count_rejection(worker.id, lease.run_id, len(body))
-            raise Unprocessable(f"run {run.name!r} uses {cfg.algorithm}: a round ends with its pseudo-gradient, "
+            raise Unprocessable(f"run {lease.run_name!r} uses {cfg.algorithm}: a round ends with its pseudo-gradient, "
                                 "not an empty delta")
         if cfg.algorithm == "sparta" and delta.n_entries:
             self._count_rejection(worker.id, lease.run_id, len(body))
-            raise Unprocessable(f"run {run.name!r} uses sparta: a round ends with an empty delta (its progress "
+            raise Unprocessable(f"run {lease.run_name!r} uses sparta: a round ends with an empty delta (its progress "
                                 f"travels through exchanges), not one of {delta.n_entries} entries")
-        if run.version - lease.base_version > cfg.outer.max_staleness:
+        if lease.run_version - lease.base_version > cfg.outer.max_staleness:
             self._count_rejection(worker.id, lease.run_id, len(body))
-            raise Gone(f"lease {lease_id} is {run.version - lease.base_version} versions stale, "
+            raise Gone(f"lease {lease_id} is {lease.run_version - lease.base_version} versions stale, "
                        f"above the run's limit of {cfg.outer.max_staleness}; take a new lease")
         tokens = scheduler.round_tokens(steps=cfg.inner.steps, batch_size=cfg.inner.batch_size,
                                         context=cfg.model.context)
@@ -752,50 +742,38 @@ class Coordinator:
         with timing.phase("ack_wait"):
             self._ack_lock.acquire()
         try:
-            with self.sessions() as s:
-                return self._ack(s, lease, worker, body, digest, tokens, cfg, staged)
+            with self.engine.connect() as c:
+                return self._ack(c, lease_id, lease, worker, body, digest, tokens, cfg, staged)
         finally:
             self._ack_lock.release()
 
-    def _ack(self, s: Session, lease: Lease, worker: Worker, body: bytes, digest: str, tokens: int,
+    def _ack(self, c: Connection, lease_id: int, lease: Row, worker: Worker, body: bytes, digest: str, tokens: int,
              cfg: RunConfig, staged: Path) -> protocol.DeltaAccepted:
         """The acknowledgement itself, under the process's _ack_lock: the delta's sequence number, its
-        row and every count, in one transaction (its bytes are on disk already, at `staged`)."""
-        lease_id = lease.id
+        row and every count, in one transaction (its bytes are on disk already, at `staged`). Rows
+        are locked in queries' order (lease, shard, run, worker): the run's row, which serialises the
+        acknowledgements, is held for the last three statements only."""
         with timing.phase("lock"):
-            prior = s.scalar(select(DeltaRecord).where(DeltaRecord.lease_id == lease_id))
-            if prior is not None:  # the same upload raced itself; the first one won
+            if not c.execute(queries.LEASE_DELIVERED, {"lease": lease_id}).rowcount:
+                c.rollback()  # the same upload raced itself; the first one won
+                prior = c.execute(queries.DELIVERED_OF, {"lease": lease_id}).one()
+                c.rollback()
                 if prior.sha256 != digest:
                     staged.unlink(missing_ok=True)  # ours alone: the delivered delta's file has another name
                     raise Conflict(f"lease {lease_id} already delivered a different delta")
                 return protocol.DeltaAccepted(lease_id=lease_id, delta_id=prior.id,
                                               will_merge_into=prior.seq, duplicate=True)
-            # FOR NO KEY UPDATE (PostgreSQL): serialises the sequence numbers without blocking the
-            # foreign-key checks of concurrent lease INSERTs on this run (FOR UPDATE would, and a
-            # lease request of the same worker holding its row would then deadlock with this upload)
-            run = s.get(Run, lease.run_id, with_for_update={"key_share": True})
-        seq = run.next_seq
+            c.execute(queries.SHARD_TRAINED, {"shard": lease.shard_id})
+            seq = c.execute(queries.RUN_DELIVERED, {"run": lease.run_id, "tokens": tokens,
+                                                    "steps": cfg.inner.steps, "size": len(body)}).scalar_one() - 1
         with timing.phase("commit"):
-            rec = DeltaRecord(run_id=run.id, lease_id=lease_id, worker_id=worker.id, seq=seq,
-                              base_version=lease.base_version, size_bytes=len(body), sha256=digest,
-                              tokens=tokens, steps=cfg.inner.steps)
-            s.add(rec)
-            run.next_seq = seq + 1
-            run.tokens_trained += tokens
-            run.worker_steps += cfg.inner.steps
-            run.bytes_up += len(body)
-            s.execute(update(Lease).where(Lease.id == lease_id).values(state="delivered"))
-            # The shard is done, unless a late delivery finds it leased again to someone else: then
-            # that lease still holds it (its trained count goes up all the same).
-            s.execute(update(Shard).where(Shard.id == lease.shard_id)
-                      .values(times_trained=Shard.times_trained + 1))
-            s.execute(update(Shard).where(Shard.id == lease.shard_id, _unheld(lease.shard_id))
-                      .values(state="done"))
-            s.execute(update(Worker).where(Worker.id == worker.id).values(
-                tokens_trained=Worker.tokens_trained + tokens, deltas_accepted=Worker.deltas_accepted + 1,
-                bytes_up=Worker.bytes_up + len(body)))
-            s.commit()
-        return protocol.DeltaAccepted(lease_id=lease_id, delta_id=rec.id, will_merge_into=seq)
+            c.execute(queries.WORKER_DELIVERED, {"worker": worker.id, "tokens": tokens, "size": len(body)})
+            delta_id = c.execute(queries.INSERT_DELTA, {
+                "run": lease.run_id, "lease": lease_id, "worker": worker.id, "seq_no": seq,
+                "base": lease.base_version, "size": len(body), "digest": digest, "round_tokens": tokens,
+                "round_steps": cfg.inner.steps, "now": utcnow()}).scalar_one()
+            c.commit()
+        return protocol.DeltaAccepted(lease_id=lease_id, delta_id=delta_id, will_merge_into=seq)
 
     # -- sparse exchanges (sparta) -------------------------------------------------------------
 
@@ -912,6 +890,16 @@ class Coordinator:
     @staticmethod
     def _own_lease(s: Session, lease_id: int, worker: Worker) -> Lease:
         lease = s.get(Lease, lease_id)
+        if lease is None:
+            raise NotFound(f"no lease {lease_id}")
+        if lease.worker_id != worker.id:
+            raise Forbidden(f"lease {lease_id} belongs to another worker")
+        return lease
+
+    @staticmethod
+    def _own_lease_row(c: Connection, lease_id: int, worker: Worker) -> Row:
+        """_own_lease on a Core connection: the lease's row (queries.LEASE_OF's columns)."""
+        lease = c.execute(queries.LEASE_OF, {"lease": lease_id}).first()
         if lease is None:
             raise NotFound(f"no lease {lease_id}")
         if lease.worker_id != worker.id:

@@ -1,5 +1,6 @@
-"""Concurrent lease requests never get the same shard (SQLite ignores SELECT ... FOR UPDATE;
-the claim is a conditional UPDATE, so exactly one request wins each shard)."""
+"""Concurrent requests on the same rows: lease requests never get the same shard (the claim is one
+conditional UPDATE whose pick skips rows others are claiming, coordinator/queries.py), an epoch
+opens once, and uploads of one lease racing each other deliver it once."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import threading
 
 from sqlalchemy import func, select
 
-from coordinator.models import Lease
+from coordinator.errors import Conflict
+from coordinator.models import DeltaRecord, Lease, Run, Shard, Worker
 from shared import protocol
 
 
@@ -63,3 +65,44 @@ def test_a_new_epoch_opens_once_under_concurrency(api, run_config, make_delta):
         t.join()
     assert sorted(lease.shard_id for lease in got) == [0, 1, 2, 3]
     assert api.status()["epoch"] == 1
+
+
+def test_uploads_of_one_lease_racing_each_other_deliver_it_once(api, run, make_delta, monkeypatch):
+    coord = api.coordinator
+    h = api.register()
+    lease = api.lease(h)
+    worker = coord.authenticate(h["Authorization"][7:])
+    same, other = make_delta(lease, seed=1), make_delta(lease, seed=2)
+    # all three pass their checks and stage their bytes before any of them acknowledges
+    barrier = threading.Barrier(3)
+    write = coord.storage.write
+    monkeypatch.setattr(coord.storage, "write", lambda path, data: (write(path, data), barrier.wait(timeout=30)))
+    answers: dict[int, object] = {}
+
+    def upload(i, body):
+        try:
+            answers[i] = coord.accept_delta(lease.lease_id, worker, body)
+        except Conflict as exc:
+            answers[i] = exc
+
+    threads = [threading.Thread(target=upload, args=(i, body)) for i, body in enumerate((same, same, other))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    monkeypatch.setattr(coord.storage, "write", write)
+    accepted = [a for a in answers.values() if not isinstance(a, Conflict)]
+    conflicts = [a for a in answers.values() if isinstance(a, Conflict)]
+    # either the pair of identical bodies won (one of them a duplicate) or the other body did
+    assert (len(accepted), len(conflicts)) in ((2, 1), (1, 2)), answers
+    assert len({a.delta_id for a in accepted}) == 1 and sum(not a.duplicate for a in accepted) == 1
+    winner = same if len(accepted) == 2 else other
+    with coord.sessions() as s:
+        assert s.scalar(select(func.count()).select_from(DeltaRecord)) == 1
+        assert s.scalar(select(Run.next_seq)) == 2
+        assert s.scalar(select(Worker.deltas_accepted).where(Worker.id == worker.id)) == 1
+        assert s.scalar(select(Shard.times_trained).where(Shard.index == lease.shard_id)) == 1
+        assert s.get(Lease, lease.lease_id).state == "delivered"
+    staged = coord.storage.deltas(api.runtime().run_id).glob("*.staged")
+    assert [p.read_bytes() for p in staged] == [winner]  # the loser's bytes are gone
+    assert api.drain() == 1
