@@ -457,10 +457,11 @@ class Coordinator:
             return_s = (_aware(rec.received_at) - _aware(lease.created_at)).total_seconds()
             w.credit = (w.credit or 0.0) + credit.delta_credit(rec.tokens, return_s=return_s,
                                                                lease_ttl_s=cfg.lease_ttl_s)
-        outcomes = s.execute(select(DeltaRecord.outcome, DeltaRecord.reason).where(
+        outcomes = s.execute(select(DeltaRecord.outcome, DeltaRecord.reason, DeltaRecord.staleness).where(
             DeltaRecord.worker_id == w.id, DeltaRecord.outcome != "queued")
             .order_by(DeltaRecord.seq.desc()).limit(trust.RECENT)).all()
-        verdict = trust.standing([tuple(o) for o in reversed(outcomes)], current=w.standing, cfg=cfg.robust)
+        verdict = trust.standing(trust.judged(list(reversed(outcomes)), max_staleness=cfg.outer.max_staleness),
+                                 current=w.standing, cfg=cfg.robust)
         if verdict.state != w.standing:
             log.warning("run %s: worker %d is now %s: %s", cfg.name, w.id, verdict.state, verdict.reason)
             w.standing = verdict.state
@@ -533,10 +534,10 @@ class Coordinator:
         """429 while a throttled worker's next lease is not due yet."""
         if worker.standing != "throttled":
             return
-        recent = s.scalars(select(DeltaRecord.outcome).where(
+        recent = trust.judged(s.execute(select(DeltaRecord.outcome, DeltaRecord.reason, DeltaRecord.staleness).where(
             DeltaRecord.worker_id == worker.id, DeltaRecord.outcome != "queued")
-            .order_by(DeltaRecord.seq.desc()).limit(trust.RECENT)).all()
-        wait = trust.throttle_wait(rejections=recent.count("rejected"),
+            .order_by(DeltaRecord.seq.desc()).limit(trust.RECENT)).all(), max_staleness=cfg.outer.max_staleness)
+        wait = trust.throttle_wait(rejections=sum(outcome == "rejected" for outcome, _ in recent),
                                    last_lease_at=_aware_or_none(worker.last_lease_at), now=utcnow(), cfg=cfg.robust)
         if wait > 0:
             raise TooManyRequests(f"this worker is throttled ({worker.standing_reason}); "

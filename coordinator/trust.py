@@ -6,7 +6,8 @@
     otherwise                                                    -> ok
 
 A ban is sticky (a later good delta does not lift it; an operator revokes or re-admits); a
-throttle lifts itself once good deltas push the rejections out of the window.
+throttle lifts itself once good deltas push the rejections out of the window. Only the worker's
+own doing counts (`judged`): a delta refused at merge for having waited too long is not.
 """
 
 from __future__ import annotations
@@ -25,6 +26,16 @@ THROTTLE_S = 30.0  # base pause between leases for a throttled worker
 class Standing:
     state: str  # ok | throttled | banned
     reason: str | None
+
+
+def judged(rows: Sequence[tuple[str, str | None, int | None]], *, max_staleness: int) -> list[tuple[str, str | None]]:
+    """(outcome, reason) of the deltas that speak about their worker, from (outcome, reason,
+    staleness) rows, order kept. A delta rejected at merge for being more than max_staleness versions
+    stale is left out: its upload was within the limit (accept_delta refuses it otherwise), so the
+    versions it fell behind by were the coordinator's queue, not the worker's doing. Without this, a
+    merger falling behind under load would throttle and then ban honest workers."""
+    return [(outcome, reason) for outcome, reason, staleness in rows
+            if not (outcome == "rejected" and staleness is not None and staleness > max_staleness)]
 
 
 def standing(outcomes: Sequence[tuple[str, str | None]], *, current: str, cfg: RobustConfig) -> Standing:

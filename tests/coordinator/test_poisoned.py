@@ -90,3 +90,21 @@ def test_one_poisoned_worker_of_eight(open_api, tmp_path, run_config, train_delt
     assert all(by_name[f"w{i}"]["standing"] == "ok" and by_name[f"w{i}"]["deltas_rejected"] == 0
                for i in range(1, WORKERS))
     assert refused and set(refused) <= {403, 429}  # throttled, then banned: it stops getting work
+
+
+def test_a_merger_falling_behind_bans_nobody(api, run_config, make_delta):
+    """Deltas refused at merge because the queue made them too stale are the coordinator's lateness:
+    the worker stays in good standing and keeps getting leases."""
+    api.create_run(run_config(outer={"group": 1, "max_staleness": 0}, shard_tokens=2048))
+    first, late = api.register(), api.register()
+    lease = api.lease(first)
+    api.accept(lease.lease_id, make_delta(lease), first)
+    for i in range(5):  # all acknowledged against version 0, behind `first`'s delta in the queue
+        lease = api.lease(late)
+        api.accept(lease.lease_id, make_delta(lease, seed=i + 1), late)
+    assert api.drain() == 6
+    status = api.status()
+    assert status["rejected_deltas"] == 5, status
+    (info,) = [w for w in api.client.get("/api/v1/runs/t/workers").json() if w["deltas_rejected"] == 5]
+    assert info["standing"] == "ok", info
+    assert api.lease(late).base_version == 6  # not throttled (429) nor banned (403)

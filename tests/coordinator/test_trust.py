@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import datetime, timedelta, timezone
 
 from coordinator.ratelimit import RateLimiter
-from coordinator.trust import THROTTLE_S, standing, throttle_wait
+from coordinator.trust import THROTTLE_S, judged, standing, throttle_wait
 from shared.config import RobustConfig
 
 CFG = RobustConfig(throttle_after=2, ban_after=4)
@@ -22,6 +22,15 @@ def test_standing_counts_recent_rejections():
     assert standing([R, R] + [M] * 8, current="throttled", cfg=CFG).state == "ok"
     # a ban is sticky
     assert standing([M] * 8, current="banned", cfg=CFG).state == "banned"
+
+
+def test_deltas_that_only_waited_too_long_do_not_count():
+    late = ("rejected", "12 versions stale, above the limit of 10", 12)
+    rows = [("merged", None, 3), late, ("rejected", "too large", 2), late, ("rejected", "too large", 10)]
+    # a screen's rejection counts whatever the staleness; a staleness one does not
+    assert judged(rows, max_staleness=10) == [M, R, ("rejected", "too large")]
+    assert standing(judged([late] * 8, max_staleness=10), current="ok", cfg=CFG).state == "ok"
+    assert standing(judged([late] * 8, max_staleness=20), current="ok", cfg=CFG).state == "banned"
 
 
 def test_throttle_wait_doubles_per_extra_rejection():
