@@ -62,8 +62,16 @@ def claim_shard(*, skip_locked: bool):
 SHARDS_UNDONE = (select(Shard.state, func.count()).where(Shard.run_id == bindparam("run"), Shard.state != "done")
                  .group_by(Shard.state))
 WORKER_LEASED = update(Worker).where(Worker.id == bindparam("worker")).values(last_lease_at=bindparam("now"))
-NEWEST_SNAPSHOT = (select(func.coalesce(func.max(ModelVersion.version), 0))
-                   .where(ModelVersion.run_id == bindparam("run")).scalar_subquery())
+
+
+def newest_snapshot(run_id):
+    """The newest version with a snapshot on disk (0 before any): what leases hand out and
+    `snapshots/latest` serves. `run_id`: a value, a parameter or a column to correlate with."""
+    return (select(func.coalesce(func.max(ModelVersion.version), 0)).where(ModelVersion.run_id == run_id)
+            .scalar_subquery())
+
+
+NEWEST_SNAPSHOT = newest_snapshot(bindparam("run"))
 # the lease hands out the newest version with a snapshot on disk; its seed follows from its id
 INSERT_LEASE = (insert(Lease).values(run_id=bindparam("run"), worker_id=bindparam("worker"),
                                      shard_id=bindparam("shard"), base_version=NEWEST_SNAPSHOT, seed=0,
@@ -124,9 +132,7 @@ def snapshot_of(*, latest: bool):
     """A version's snapshot row with its run's: the newest version with a snapshot on disk when
     `latest`, else the version given. Columns: run_id, state, run_version, version (the one looked
     for), sha256 (None when that version has no snapshot); no row: no such run."""
-    newest = (select(func.coalesce(func.max(ModelVersion.version), 0)).where(ModelVersion.run_id == Run.id)
-              .correlate(Run).scalar_subquery())
-    wanted = newest if latest else bindparam("version", type_=ModelVersion.version.type)
+    wanted = newest_snapshot(Run.id).correlate(Run) if latest else bindparam("version", type_=ModelVersion.version.type)
     return (select(Run.id.label("run_id"), Run.state, Run.version.label("run_version"), wanted.label("version"),
                    ModelVersion.sha256)
             .outerjoin(ModelVersion, and_(ModelVersion.run_id == Run.id, ModelVersion.version == wanted))

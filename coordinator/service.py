@@ -63,8 +63,16 @@ def _end_lease(s: Session, lease: Lease, state: str) -> None:
     """Mark a live lease expired or abandoned; its shard goes back to the queue if nobody else holds it."""
     lease.state = state
     s.flush()
-    s.execute(update(Shard).where(Shard.id == lease.shard_id, Shard.state == "leased", queries.unheld(lease.shard_id))
-              .values(state="pending"))
+    s.execute(queries.FREE_SHARD, {"shard": lease.shard_id})
+
+
+def _judged_outcomes(s: Session | Connection, worker_id: int, cfg: RunConfig) -> list[tuple[str, str | None]]:
+    """(outcome, reason) of the worker's last trust.RECENT judged deltas, oldest first, those that
+    speak about the worker (trust.judged)."""
+    rows = s.execute(select(DeltaRecord.outcome, DeltaRecord.reason, DeltaRecord.staleness).where(
+        DeltaRecord.worker_id == worker_id, DeltaRecord.outcome != "queued")
+        .order_by(DeltaRecord.seq.desc()).limit(trust.RECENT)).all()
+    return trust.judged(list(reversed(rows)), max_staleness=cfg.outer.max_staleness)
 
 
 def _aware_or_none(dt: datetime | None) -> datetime | None:
@@ -374,7 +382,11 @@ class Coordinator:
             return list(self.runtimes.values())
 
     def _run(self, s: Session, name: str) -> Run:
-        run = s.scalar(select(Run).where(Run.name == name))
+        return self._named_run(s.scalar(select(Run).where(Run.name == name)), name)
+
+    @staticmethod
+    def _named_run(run, name: str):
+        """`run` (a Run or a row with its state), if it exists and is created: else 404."""
         if run is None or run.state == "creating":
             raise NotFound(f"no run named {name!r}")
         return run
@@ -457,11 +469,7 @@ class Coordinator:
             return_s = (_aware(rec.received_at) - _aware(lease.created_at)).total_seconds()
             w.credit = (w.credit or 0.0) + credit.delta_credit(rec.tokens, return_s=return_s,
                                                                lease_ttl_s=cfg.lease_ttl_s)
-        outcomes = s.execute(select(DeltaRecord.outcome, DeltaRecord.reason, DeltaRecord.staleness).where(
-            DeltaRecord.worker_id == w.id, DeltaRecord.outcome != "queued")
-            .order_by(DeltaRecord.seq.desc()).limit(trust.RECENT)).all()
-        verdict = trust.standing(trust.judged(list(reversed(outcomes)), max_staleness=cfg.outer.max_staleness),
-                                 current=w.standing, cfg=cfg.robust)
+        verdict = trust.standing(_judged_outcomes(s, w.id, cfg), current=w.standing, cfg=cfg.robust)
         if verdict.state != w.standing:
             log.warning("run %s: worker %d is now %s: %s", cfg.name, w.id, verdict.state, verdict.reason)
             w.standing = verdict.state
@@ -534,9 +542,7 @@ class Coordinator:
         """429 while a throttled worker's next lease is not due yet."""
         if worker.standing != "throttled":
             return
-        recent = trust.judged(s.execute(select(DeltaRecord.outcome, DeltaRecord.reason, DeltaRecord.staleness).where(
-            DeltaRecord.worker_id == worker.id, DeltaRecord.outcome != "queued")
-            .order_by(DeltaRecord.seq.desc()).limit(trust.RECENT)).all(), max_staleness=cfg.outer.max_staleness)
+        recent = _judged_outcomes(s, worker.id, cfg)
         wait = trust.throttle_wait(rejections=sum(outcome == "rejected" for outcome, _ in recent),
                                    last_lease_at=_aware_or_none(worker.last_lease_at), now=utcnow(), cfg=cfg.robust)
         if wait > 0:
@@ -558,13 +564,10 @@ class Coordinator:
         # picked and claimed in one UPDATE, concurrent requests take different rows), insert the
         # lease. Only when no pending shard was free does it look further: a new epoch when every
         # shard is done, another try when pending shards were only being claimed that instant.
-        claim = self._claim_shard
         cfg: RunConfig | None = None
         for _ in range(16):
             with self.engine.connect() as c:
-                run = c.execute(queries.RUN_FOR_LEASE, {"name": run_name}).first()
-                if run is None or run.state == "creating":
-                    raise NotFound(f"no run named {run_name!r}")
+                run = self._named_run(c.execute(queries.RUN_FOR_LEASE, {"name": run_name}).first(), run_name)
                 if cfg is None:  # the first attempt checks the request
                     if worker.run_id != run.id:
                         raise Forbidden(f"this worker is registered with another run, not {run_name!r}")
@@ -579,7 +582,7 @@ class Coordinator:
                 for _old, shard_id in c.execute(queries.ABANDON_OTHERS, {
                         "worker": worker.id, "keep": -1 if keep is None else keep}).all():
                     c.execute(queries.FREE_SHARD, {"shard": shard_id})
-                claimed = c.execute(claim, {"run": run.id}).first()
+                claimed = c.execute(self._claim_shard, {"run": run.id}).first()
                 if claimed is None:
                     undone = dict(c.execute(queries.SHARDS_UNDONE, {"run": run.id}).all())
                     if undone.get("pending"):  # pending rows exist but others hold them this instant
@@ -619,17 +622,16 @@ class Coordinator:
     @staticmethod
     def _newest_snapshot(s: Session, run_id: int) -> int:
         """The newest version with a snapshot on disk (what leases hand out and `latest` serves)."""
-        return s.scalar(select(func.max(ModelVersion.version)).where(ModelVersion.run_id == run_id)) or 0
+        return s.scalar(select(queries.newest_snapshot(run_id)))
 
     def snapshot(self, run_name: str, version: str | int, *,
                  if_none_match: str | None = None) -> tuple[bytes | None, int, str]:
         """(blob, version, sha256); blob is None when `if_none_match` is the current ETag (nothing sent or counted)."""
         latest = version == "latest"
         with self.reads.connect() as c:
-            row = c.execute(queries.SNAPSHOT_LATEST if latest else queries.SNAPSHOT_AT,
-                            {"name": run_name} if latest else {"name": run_name, "version": int(version)}).first()
-        if row is None or row.state == "creating":
-            raise NotFound(f"no run named {run_name!r}")
+            row = self._named_run(c.execute(
+                queries.SNAPSHOT_LATEST if latest else queries.SNAPSHOT_AT,
+                {"name": run_name} if latest else {"name": run_name, "version": int(version)}).first(), run_name)
         v = row.version
         if row.sha256 is None:
             if 0 <= v <= row.run_version:
@@ -679,9 +681,8 @@ class Coordinator:
 
     def shard(self, run_name: str, shard_index: int, worker: Worker) -> tuple[bytes, str]:
         with self.reads.connect() as c:
-            row = c.execute(queries.SHARD_OF, {"name": run_name, "index": shard_index}).first()
-        if row is None or row.state == "creating":
-            raise NotFound(f"no run named {run_name!r}")
+            row = self._named_run(c.execute(queries.SHARD_OF, {"name": run_name, "index": shard_index}).first(),
+                                  run_name)
         if worker.run_id != row.run_id:
             raise Forbidden(f"this worker is registered with another run, not {run_name!r}")
         if row.sha256 is None:
@@ -697,11 +698,7 @@ class Coordinator:
         with timing.phase("hash"):
             digest = hashlib.sha256(body).hexdigest()
         with timing.phase("check"), self.reads.connect() as c:
-            lease = c.execute(queries.UPLOAD_CHECK, {"lease": lease_id}).first()
-        if lease is None:
-            raise NotFound(f"no lease {lease_id}")
-        if lease.worker_id != worker.id:
-            raise Forbidden(f"lease {lease_id} belongs to another worker")
+            lease = self._owned(c.execute(queries.UPLOAD_CHECK, {"lease": lease_id}).first(), lease_id, worker)
         if lease.delta_id is not None:
             if lease.delta_sha256 == digest:  # a retry after a lost answer: same answer, merged once
                 return protocol.DeltaAccepted(lease_id=lease_id, delta_id=lease.delta_id,
@@ -889,23 +886,20 @@ class Coordinator:
                 s.commit()
 
     @staticmethod
-    def _own_lease(s: Session, lease_id: int, worker: Worker) -> Lease:
-        lease = s.get(Lease, lease_id)
+    def _owned(lease, lease_id: int, worker: Worker):
+        """`lease` (a Lease or a row with its worker_id), if it exists and is `worker`'s: else 404 / 403."""
         if lease is None:
             raise NotFound(f"no lease {lease_id}")
         if lease.worker_id != worker.id:
             raise Forbidden(f"lease {lease_id} belongs to another worker")
         return lease
 
-    @staticmethod
-    def _own_lease_row(c: Connection, lease_id: int, worker: Worker) -> Row:
+    def _own_lease(self, s: Session, lease_id: int, worker: Worker) -> Lease:
+        return self._owned(s.get(Lease, lease_id), lease_id, worker)
+
+    def _own_lease_row(self, c: Connection, lease_id: int, worker: Worker) -> Row:
         """_own_lease on a Core connection: the lease's row (queries.LEASE_OF's columns)."""
-        lease = c.execute(queries.LEASE_OF, {"lease": lease_id}).first()
-        if lease is None:
-            raise NotFound(f"no lease {lease_id}")
-        if lease.worker_id != worker.id:
-            raise Forbidden(f"lease {lease_id} belongs to another worker")
-        return lease
+        return self._owned(c.execute(queries.LEASE_OF, {"lease": lease_id}).first(), lease_id, worker)
 
     def _count_rejection(self, worker_id: int, run_id: int, size: int) -> None:
         with self.sessions() as s:
