@@ -38,17 +38,9 @@ from shared.algorithms.outer import FlatOuter, OuterState, staleness_weight
 from shared.config import RunConfig
 from shared.errors import DeltaFormatError
 from shared.model import TransformerLM, build_model, evaluate_loss, get_params, param_schema, set_params
-from shared.snapshot import encode_snapshot_flat_parts, safetensors_parts
+from shared.snapshot import encode_snapshot_flat_parts, parts_sha256, safetensors_parts, snapshot_metadata
 
 log = logging.getLogger(__name__)
-
-
-def _sha256(parts: Sequence[bytes | memoryview]) -> str:
-    """The sha256 (hex) of parts written back to back, without joining them."""
-    digest = hashlib.sha256()
-    for part in parts:
-        digest.update(part)
-    return digest.hexdigest()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,16 +106,16 @@ class RunRuntime:
     # -- snapshots and checkpoints -------------------------------------------------------------
 
     def write_snapshot(self) -> tuple[str, int]:
-        """Write the current weights as version `self.version`; returns (sha256, size)."""
+        """Write the published model (outer.published_flat) as version `self.version`; returns (sha256, size)."""
         t0 = time.monotonic()
+        weights = self.outer.published_flat(self.config.outer)
         # in parts, never joined: a 460 MB join would hold the GIL (every request of this process waits)
-        parts = encode_snapshot_flat_parts(self.outer.weights_flat(), self.outer.shapes, metadata={
-            "run": self.config.name, "version": str(self.version),
-            "model": json.dumps(self.config.model.to_dict())})
+        parts = encode_snapshot_flat_parts(weights, self.outer.shapes, metadata=snapshot_metadata(
+            self.config.name, self.version, self.config.model.to_dict()))
         self.storage.write(self.storage.snapshot(self.run_id, self.version), parts)
         self.snapshot_done_at = time.monotonic()
         self.snapshot_cost_s, self.snapshot_version = self.snapshot_done_at - t0, self.version
-        return _sha256(parts), sum(len(part) for part in parts)
+        return parts_sha256(parts), sum(len(part) for part in parts)
 
     SNAPSHOT_FREE_S = 0.25  # snapshots quicker than this are never held back
 
@@ -150,7 +142,7 @@ class RunRuntime:
         parts = safetensors_parts(tensors, meta)
         # The hash sits beside the data so a torn or corrupted file is detected on load.
         path = self.storage.checkpoint(self.run_id, self.version)
-        self.storage.write(path, [_sha256(parts).encode() + b"\n", *parts])
+        self.storage.write(path, [parts_sha256(parts).encode() + b"\n", *parts])
         for _, old in self.storage.list_checkpoints(self.run_id)[self.CHECKPOINTS_KEPT:]:
             old.unlink(missing_ok=True)
         return path
@@ -309,5 +301,5 @@ class RunRuntime:
         return self._eval_tokens
 
     def evaluate(self) -> float:
-        set_params(self.model, self.outer.params())
+        set_params(self.model, self.outer.views(self.outer.published_flat(self.config.outer)))
         return evaluate_loss(self.model, self.eval_tokens(), context=self.config.model.context)

@@ -6,8 +6,9 @@ and while decompressing, then names, shapes, dtype and finiteness against the mo
 
 from __future__ import annotations
 
+import hashlib
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import safetensors.torch
@@ -15,6 +16,31 @@ import torch
 import zstandard
 
 from shared.errors import SnapshotError
+from shared.model import ModelConfig, build_model, get_params
+
+
+def snapshot_metadata(run: str, version: int, model: Mapping) -> dict[str, str]:
+    """The header metadata of a coordinator's snapshot (one definition: a worker that builds
+    version 0 itself encodes the same bytes, to compare hashes instead of downloading)."""
+    return {"run": run, "version": str(version), "model": json.dumps(dict(model))}
+
+
+def version_zero(run: str, model: Mapping, seed: int) -> tuple[dict[str, torch.Tensor], str]:
+    """(weights, sha256 of the snapshot bytes) of a run's version 0, built here from the run's seed:
+    the same bytes as the coordinator's snapshot 0 (the same model, metadata and encoder)."""
+    params = get_params(build_model(ModelConfig.from_dict(model), seed=seed))
+    flat = torch.cat([t.reshape(-1) for t in params.values()])
+    parts = encode_snapshot_flat_parts(flat, {n: tuple(t.shape) for n, t in params.items()},
+                                       metadata=snapshot_metadata(run, 0, model))
+    return params, parts_sha256(parts)
+
+
+def parts_sha256(parts: Sequence[bytes | memoryview]) -> str:
+    """The sha256 (hex) of parts written back to back, without joining them."""
+    digest = hashlib.sha256()
+    for part in parts:
+        digest.update(part)
+    return digest.hexdigest()
 
 
 def encode_snapshot(params: Mapping[str, torch.Tensor], *, metadata: Mapping[str, str] | None = None,

@@ -13,6 +13,16 @@ Outer SGD with delayed Nesterov momentum, applied one delta at a time (asynchron
 
 When G deltas all start from the same version this is exactly DiLoCo's synchronous outer
 step (Nesterov SGD on the averaged pseudo-gradient); no delta ever waits for another.
+
+What the coordinator publishes (hands out as a lease's base, snapshots, evaluates) is, with
+cfg.lookahead, not theta itself but the best guess of theta at the open group's end: the k
+deltas of the group so far taken at their mean instead of at 1/G each,
+
+    published = theta - lr (1/k - 1/G) acc          (0 < k < G; theta itself at k = 0)
+
+so a worker restarting after the first delta of a group starts from that delta's full step, as
+a synchronous DiLoCo worker would start from the group's average, instead of from 1/G of it.
+At every group's end the two are the same model; the merge arithmetic itself is unchanged.
 """
 
 from __future__ import annotations
@@ -65,6 +75,19 @@ class OuterState:
             kind, _, name = key.partition("/")
             parts[kind][name] = t.to(torch.float32)
         return cls(params=parts["params"], momentum=parts["momentum"], accum=parts["accum"], in_group=in_group)
+
+
+def lookahead_gain(in_group: int, cfg: OuterConfig) -> float:
+    """c in published = theta - c acc: lr (1/k - 1/G) with k deltas in the open group, else 0."""
+    if not cfg.lookahead or in_group <= 0 or in_group >= cfg.group:
+        return 0.0
+    return cfg.lr * (1.0 / in_group - 1.0 / cfg.group)
+
+
+def published(state: OuterState, cfg: OuterConfig) -> dict[str, torch.Tensor]:
+    """The model the coordinator hands out and evaluates (a copy): see the module docstring."""
+    c = lookahead_gain(state.in_group, cfg)
+    return {n: t - c * state.accum[n] if c else t.clone() for n, t in state.params.items()}
 
 
 def apply_delta(state: OuterState, delta: Delta, *, weight: float, cfg: OuterConfig) -> None:
@@ -199,6 +222,16 @@ class FlatOuter:
             theta = theta.sub_(self.m, alpha=self.carry) if theta is not self.t else torch.sub(theta, self.m,
                                                                                                alpha=self.carry)
         return theta
+
+    def published_flat(self, cfg: OuterConfig) -> torch.Tensor:
+        """`published` on the flat form, with the same arithmetic (bit for bit where the weights
+        are apply_delta's): theta - c acc, one dense buffer for acc; T itself when the gain c is 0
+        (read it, don't write it)."""
+        theta = self.weights_flat()
+        c = lookahead_gain(self.in_group, cfg)
+        if c == 0.0:
+            return theta
+        return self.accum_flat().mul_(-c).add_(theta)  # == theta - c * acc exactly (negation is exact)
 
     def flush(self) -> None:
         """Put the deferred T -= share * (w g) of the pending deltas into T (before writing T directly)."""

@@ -11,7 +11,7 @@ import torch
 from coordinator.models import DeltaRecord
 from coordinator.settings import CoordinatorSettings
 from shared import codec
-from shared.algorithms.outer import OuterState, apply_delta, staleness_weight
+from shared.algorithms.outer import OuterState, apply_delta, published, staleness_weight
 from shared.config import RunConfig
 from shared.model import build_model, get_params, param_schema
 from shared.snapshot import decode_snapshot
@@ -19,7 +19,8 @@ from shared.snapshot import decode_snapshot
 
 def replay(cfg: RunConfig, deltas: list[tuple[bytes, int]]) -> dict[str, torch.Tensor]:
     """The merge rule applied from scratch, outside the coordinator: deltas in the given order,
-    each (encoded bytes, base version), the i-th one merged into version i (so it lags i - base)."""
+    each (encoded bytes, base version), the i-th one merged into version i (so it lags i - base).
+    Returns the published model (what a snapshot holds: the open group at its mean)."""
     model = build_model(cfg.model, seed=cfg.seed)
     schema = param_schema(model)
     state = OuterState.fresh(get_params(model))
@@ -28,7 +29,7 @@ def replay(cfg: RunConfig, deltas: list[tuple[bytes, int]]) -> dict[str, torch.T
         assert 0 <= staleness <= cfg.outer.max_staleness
         apply_delta(state, codec.decode(blob, schema=schema), weight=staleness_weight(staleness, cfg.outer),
                     cfg=cfg.outer)
-    return state.params
+    return published(state, cfg.outer)
 
 
 def latest_params(api, cfg: RunConfig) -> dict[str, torch.Tensor]:
@@ -95,7 +96,7 @@ def test_merge_applies_deltas_in_seq_order_like_a_replay(api, run, make_delta):
 
     got = latest_params(api, run)
     assert_same(got, replay(run, up.in_order()))
-    assert_same(api.runtime().state.params, got)
+    assert_same(published(api.runtime().state, run.outer), got)
     # the stored bytes are the uploaded bytes
     storage, run_id = api.coordinator.storage, api.runtime().run_id
     for seq, (body, _) in up.sent.items():
@@ -196,7 +197,7 @@ def test_restart_resumes_with_identical_weights(tmp_path, open_api, run_config, 
     with open_api(settings) as api:
         rt = api.runtime()
         assert rt.version == 3
-        assert_same(rt.state.params, before)
+        assert_same(published(rt.state, cfg.outer), before)
         assert rt.state.in_group == 1  # group of 2: the third delta opened a new group
         # every kept version is served as before, with a hash that matches what is served
         for v, blob in enumerate(snaps_before):
@@ -245,4 +246,4 @@ def test_restart_after_checkpoint_every(tmp_path, open_api, run_config, make_del
     assert_same(final, replay(cfg, up.in_order()))
     with open_api(settings) as api:
         assert api.runtime().version == 6
-        assert_same(api.runtime().state.params, final)
+        assert_same(published(api.runtime().state, cfg.outer), final)

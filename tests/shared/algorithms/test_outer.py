@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from shared import codec
-from shared.algorithms.outer import FlatOuter, OuterState, apply_delta, staleness_weight
+from shared.algorithms.outer import FlatOuter, OuterState, apply_delta, lookahead_gain, published, staleness_weight
 from shared.codec import Delta, Entry, IndexKind, ValueKind
 from shared.config import OuterConfig
 
@@ -380,3 +380,84 @@ def test_flat_outer_dense_deltas_share_one_buffer_per_run():
     converted = FlatOuter.from_state(plain_mid_group, lazy=True)  # an old checkpoint's dense accumulator
     assert list(converted.dense_acc) == [(0, converted.n)] and not converted.pending
     assert_same_state(converted, plain_mid_group, tol=0)
+
+
+# -- what the coordinator publishes mid-group (the look-ahead) ------------------------------------
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_published_mid_group_is_the_mean_of_the_group_so_far(k):
+    """k of G deltas from one base, plain averaging: published = base - mean of those k, which is
+    what a synchronous DiLoCo group of those k workers would give; theta holds only k/G of it."""
+    cfg = OuterConfig(lr=1.0, momentum=0.0, group=4)
+    p0 = params(0)
+    state = OuterState.fresh(p0)
+    grads = [params(i + 1) for i in range(k)]
+    for g in grads:
+        apply_delta(state, dense_delta(g), weight=1.0, cfg=cfg)
+    pub = published(state, cfg)
+    for n in SHAPES:
+        mean = torch.stack([g[n] for g in grads]).mean(0)
+        torch.testing.assert_close(pub[n], p0[n] - mean)
+        torch.testing.assert_close(state.params[n], p0[n] - mean * k / cfg.group)  # the rule itself unchanged
+
+
+def test_published_is_theta_at_a_group_boundary_and_without_lookahead():
+    cfg = OuterConfig(lr=0.8, momentum=0.5, group=2)
+    state = OuterState.fresh(params(0))
+    for i in range(2):
+        apply_delta(state, dense_delta(params(i + 1)), weight=1.0, cfg=cfg)
+    assert state.in_group == 0
+    assert all(torch.equal(published(state, cfg)[n], state.params[n]) for n in SHAPES)
+    apply_delta(state, dense_delta(params(9)), weight=1.0, cfg=cfg)
+    assert state.in_group == 1
+    assert any(not torch.equal(published(state, cfg)[n], state.params[n]) for n in SHAPES)
+    off = cfg.model_copy(update={"lookahead": False})
+    assert all(torch.equal(published(state, off)[n], state.params[n]) for n in SHAPES)
+    pub = published(state, cfg)
+    pub["w"].add_(1.0)  # a copy: the state is untouched
+    assert not torch.equal(pub["w"], state.params["w"])
+
+
+def test_lookahead_gain():
+    cfg = OuterConfig(lr=0.8, group=4)
+    assert lookahead_gain(0, cfg) == 0.0 and lookahead_gain(4, cfg) == 0.0
+    assert lookahead_gain(1, cfg) == pytest.approx(0.8 * 0.75)
+    assert lookahead_gain(3, cfg) == pytest.approx(0.8 * (1 / 3 - 1 / 4))
+    assert lookahead_gain(1, OuterConfig(group=1)) == 0.0  # every delta closes its group
+
+
+def test_stale_deltas_pull_the_published_model_by_their_weight():
+    cfg = OuterConfig(lr=1.0, momentum=0.0, group=4)
+    p0 = params(0)
+    state = OuterState.fresh(p0)
+    g1, g2 = params(1), params(2)
+    apply_delta(state, dense_delta(g1), weight=1.0, cfg=cfg)
+    apply_delta(state, dense_delta(g2), weight=0.5, cfg=cfg)
+    pub = published(state, cfg)
+    for n in SHAPES:
+        torch.testing.assert_close(pub[n], p0[n] - (g1[n] + 0.5 * g2[n]) / 2)
+
+
+@pytest.mark.parametrize("lazy", [False, True])
+@pytest.mark.parametrize("momentum", [0.0, 0.2, 0.9])
+def test_flat_outer_publishes_what_the_plain_rule_does(lazy, momentum):
+    """published_flat == published after every delta (bit for bit in the plain form), every delta kind."""
+    cfg = OuterConfig(lr=0.8, momentum=momentum, group=3)
+    ref = OuterState.fresh(params(0))
+    fl = FlatOuter.from_state(ref, lazy=lazy)
+    rng = np.random.default_rng(7)
+    for i in range(20):
+        d = random_delta(rng, i)
+        w = staleness_weight(i % 5, cfg)
+        apply_delta(ref, d, weight=w, cfg=cfg)
+        fl.apply(flat(d), weight=w, cfg=cfg)
+        want, got = published(ref, cfg), fl.views(fl.published_flat(cfg))
+        for n in SHAPES:
+            if lazy:
+                torch.testing.assert_close(got[n], want[n], atol=1e-5, rtol=1e-5)
+            else:
+                assert torch.equal(got[n], want[n]), (i, n)
+    before = fl.weights_flat().clone()
+    fl.published_flat(cfg)
+    assert torch.equal(fl.weights_flat(), before)  # reading it changes nothing
