@@ -166,11 +166,9 @@ def measure(mode: Mode, url: str, run: str, state_dir: Path, *, rounds: int, upl
         raise RuntimeError(f"mode {mode.name}: {delivered} of {rounds} rounds delivered")
     u = worker.progress.utilisation
     wall = u.wall_s() or 0.0
-    # the download goal: after joining (one full snapshot of version 0: each worker trains a fresh run)
-    # a worker fetches only the change to each new version, so it downloads about what it uploads
-    joined = httpx.get(f"{url}{protocol.API_PREFIX}/runs/{run}/snapshots/0", timeout=60)
-    joined.raise_for_status()
-    return {"mode": mode.name, "join_snapshot_bytes": len(joined.content), "rounds": delivered,
+    # the download goal: after joining (version 0 of a fresh run: built from the run's seed, or one full
+    # snapshot) a worker fetches only the change to each new version, so it downloads about what it uploads
+    return {"mode": mode.name, "join_snapshot_bytes": worker.join_bytes or 0, "rounds": delivered,
             "utilisation": u.fraction(), "compute_s": u.compute_s,
             "wall_s": wall, "idle_s": wall - u.compute_s, "upload_wait_s": u.upload_wait_s,
             "bytes_sent": worker.client.sent_bytes, "bytes_received": worker.client.received_bytes,

@@ -614,7 +614,7 @@ class Coordinator:
                     lease_id=lease_id, run=run.name, shard_id=claimed.index, shard_sha256=claimed.sha256,
                     base_version=base_version, seed=seed, lr=lr, inner=cfg.inner,
                     compression=cfg.compression, model=cfg.model.to_dict(), deadline=deadline,
-                    algorithm=cfg.algorithm, sparta=cfg.sparta)
+                    algorithm=cfg.algorithm, sparta=cfg.sparta, init_seed=cfg.seed)
         return None  # lost every race this time; the worker asks again after Retry-After
 
     # -- blobs --------------------------------------------------------------------------------

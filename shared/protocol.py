@@ -69,6 +69,9 @@ class Lease(_Body):
                                                  "sparta+diloco; a worker refuses one it does not know")
     sparta: SpartaConfig = Field(default_factory=SpartaConfig,
                                  description="exchange settings; used when `algorithm` contains sparta")
+    init_seed: int | None = Field(None, description="the run's seed: version 0 is the model built from it, so a "
+                                                    "worker can make it and only check its hash (If-None-Match) "
+                                                    "instead of downloading it; absent from older coordinators")
 
 
 class LeaseRenewed(_Body):

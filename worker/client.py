@@ -208,17 +208,24 @@ class CoordinatorClient:
                 return None, 2.0
         return protocol.Lease.model_validate(resp.json()), 0.0
 
-    def _download(self, url: str) -> httpx.Response:
-        resp = self._request("GET", url)
+    def _download(self, url: str, headers: dict | None = None) -> httpx.Response:
+        resp = self._request("GET", url, headers=dict(headers or {}))
         if len(resp.content) > self.max_download_bytes:
             raise IntegrityError(f"{url}: {len(resp.content)} bytes exceeds the download cap")
         self.bytes_down += len(resp.content)
         return resp
 
-    def snapshot(self, run: str, version: int | str) -> tuple[bytes, int]:
-        """(zstd safetensors bytes, version); the body's hash is checked against its header."""
-        resp = self._download(f"{protocol.API_PREFIX}/runs/{run}/snapshots/{version}")
+    def snapshot(self, run: str, version: int | str, *, if_sha256: str | None = None) -> tuple[bytes | None, int]:
+        """(zstd safetensors bytes, version); the body's hash is checked against its header.
+        if_sha256: the hash of a copy this worker made itself; (None, version) when the coordinator's
+        snapshot has that hash (304: nothing downloaded), the snapshot as usual when it differs."""
+        headers = {"If-None-Match": f'"{if_sha256}"'} if if_sha256 else None
+        resp = self._download(f"{protocol.API_PREFIX}/runs/{run}/snapshots/{version}", headers)
         sha = resp.headers.get(protocol.H_SHA256, "")
+        if resp.status_code == 304:
+            if not if_sha256 or sha != if_sha256:
+                raise IntegrityError(f"snapshot {version}: 304 for a hash other than the one asked about")
+            return None, int(resp.headers[protocol.H_VERSION])
         if hashlib.sha256(resp.content).hexdigest() != sha:
             raise IntegrityError(f"snapshot {version} does not match its announced SHA-256")
         return resp.content, int(resp.headers[protocol.H_VERSION])

@@ -53,7 +53,7 @@ from shared.algorithms import sync
 from shared.algorithms.compress import delta_to_tensors
 from shared.errors import DeltaFormatError
 from shared.model import ModelConfig, build_model, param_schema
-from shared.snapshot import decode_snapshot
+from shared.snapshot import decode_snapshot, version_zero
 from worker.client import (
     CoordinatorClient,
     CoordinatorError,
@@ -211,6 +211,7 @@ class Worker:
         self.trainer = LocalTrainer(self.device)
         self._snapshot: tuple[int, dict[str, torch.Tensor]] | None = None  # (version, params)
         self._hops = 0  # incremental updates applied since the last full snapshot
+        self.join_bytes: int | None = None  # what the first base cost to download (0: version 0 built here)
         self._registered = False
         self.rounds = 0
         self.suspended = False  # the last round was set aside while paused (RoundSuspended)
@@ -287,7 +288,8 @@ class Worker:
     def _params(self, lease: protocol.Lease) -> dict[str, torch.Tensor]:
         """The lease's base model: the copy held, the change since it (an int8 update, a fraction
         of the bytes), or the full snapshot (first time, after MAX_HOPS updates, or when the
-        coordinator no longer keeps the version held)."""
+        coordinator no longer keeps the version held). Version 0, the first time, is built from the
+        run's seed and only its hash is checked (a 304, no body) when the coordinator says the seed."""
         held = self._snapshot
         if held is not None and held[0] == lease.base_version:
             return held[1]
@@ -310,9 +312,19 @@ class Worker:
             except (DeltaFormatError, IntegrityError) as exc:
                 log.warning("update %d -> %d unusable (%s); downloading the snapshot", held[0], lease.base_version,
                             exc)
-        blob, version = self.client.snapshot(lease.run, lease.base_version)
-        params, _ = decode_snapshot(blob, schema=schema)
+        made = None
+        if held is None and lease.base_version == 0 and lease.init_seed is not None:
+            made = version_zero(lease.run, lease.model, lease.init_seed)  # the run's seed gives version 0: check its hash instead of downloading it
+        blob, version = self.client.snapshot(lease.run, lease.base_version, if_sha256=made and made[1])
+        if blob is None:
+            params = made[0]
+        else:
+            if made is not None:
+                log.info("version 0 built from the run's seed differs from the coordinator's; downloaded it")
+            params, _ = decode_snapshot(blob, schema=schema)
         self._snapshot, self._hops = (version, params), 0
+        if self.join_bytes is None:
+            self.join_bytes = 0 if blob is None else len(blob)
         return params
 
     def _tokens(self, lease: protocol.Lease) -> torch.Tensor:

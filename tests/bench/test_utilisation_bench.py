@@ -30,7 +30,7 @@ def test_the_utilisation_bench_runs_every_mode_and_writes_its_outputs(tmp_path, 
         assert 0 < sample["utilisation"] <= 1 and sample["bytes_sent"] > 0, name
         assert mode["summary"]["goal_met"] == (mode["summary"]["utilisation_median"] >= 0.97)
         # after joining, rounds download incremental updates, not snapshots: about what they upload
-        assert 0 < sample["join_snapshot_bytes"] < sample["bytes_received"], name
+        assert sample["join_snapshot_bytes"] == 0 < sample["bytes_received"], name  # version 0 from the seed
         assert 0 < mode["summary"]["down_over_up_after_join"] <= 2.0, (name, mode["summary"])
     # every worker run trained a run of its own, and every delta it delivered was accepted
     patched = res["modes"]["ahead"]["patched_coordinator"]

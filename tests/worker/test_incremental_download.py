@@ -1,4 +1,4 @@
-"""After its first snapshot, a worker downloads only the int8 change to each new base version
+"""A worker builds version 0 from the run's seed (checking only its hash); after its first snapshot it downloads only the int8 change to each new base version
 (GET /updates/{from}/{to}), re-syncs from a full snapshot every MAX_HOPS updates, and falls back
 to the snapshot when the coordinator no longer keeps the version it holds."""
 
@@ -6,14 +6,16 @@ from __future__ import annotations
 
 import re
 
+import httpx
 import pytest
 import torch
 
+from shared import protocol
 from shared.algorithms import sync
 from shared.snapshot import decode_snapshot
 from tests.conftest import schema_of
 from tests.worker.test_resume import URL, AppTransport
-from worker.client import CoordinatorClient, CoordinatorError
+from worker.client import CoordinatorClient, CoordinatorError, IntegrityError
 from worker.loop import Worker
 from worker.settings import WorkerSettings
 
@@ -79,3 +81,39 @@ def test_falls_back_to_the_snapshot_when_the_update_is_gone(api, run, tmp_path, 
     monkeypatch.setattr(worker.client, "model_update", gone)
     assert worker.run() == 2
     assert [p.rsplit("/", 1)[1] for p in _gets(transport, "snapshots")] == ["0", "1"]
+
+
+def test_version_zero_is_built_from_the_run_seed_and_only_its_hash_checked(api, run, tmp_path):
+    worker, transport = _worker(api, tmp_path, rounds=1)
+    lease = api.lease(api.register())
+    assert lease.base_version == 0 and lease.init_seed is not None
+    params = worker._params(lease)
+    assert _gets(transport, "snapshots") == ["/api/v1/runs/t/snapshots/0"]
+    assert worker.client.bytes_down == 0  # a 304: the coordinator's snapshot 0 has this copy's hash
+    want, _ = decode_snapshot(api.snapshot(0), schema=schema_of(lease))
+    assert all(torch.equal(params[n], want[n]) for n in want)
+    assert worker._snapshot[0] == 0
+
+
+@pytest.mark.parametrize("seed", ["other", None])
+def test_version_zero_is_downloaded_when_the_seed_does_not_give_it(api, run, tmp_path, seed):
+    """A seed that builds other weights (or none: an older coordinator) costs the download, nothing else."""
+    worker, transport = _worker(api, tmp_path, rounds=1)
+    lease = api.lease(api.register())
+    lease = lease.model_copy(update={"init_seed": None if seed is None else lease.init_seed + 1})
+    params = worker._params(lease)
+    blob = api.snapshot(0)
+    assert worker.client.bytes_down == len(blob)
+    want, _ = decode_snapshot(blob, schema=schema_of(lease))
+    assert all(torch.equal(params[n], want[n]) for n in want)
+
+
+def test_a_304_for_another_hash_is_refused():
+    """An answer that claims a copy is current must name that copy's hash."""
+    def answer(request):
+        assert request.headers["If-None-Match"] == '"' + "0" * 64 + '"'
+        return httpx.Response(304, headers={protocol.H_SHA256: "f" * 64, protocol.H_VERSION: "0"})
+
+    client = CoordinatorClient(URL, transport=httpx.MockTransport(answer), max_retries=0)
+    with pytest.raises(IntegrityError, match="304"):
+        client.snapshot("t", 0, if_sha256="0" * 64)

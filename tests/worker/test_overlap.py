@@ -93,7 +93,7 @@ class FakeClient:
             inner=InnerConfig(steps=STEPS, batch_size=2, warmup_steps=0), compression=c.compression,
             model=MODEL.to_dict(), deadline=datetime(2030, 1, 1, tzinfo=UTC)), 0.0
 
-    def snapshot(self, run: str, version) -> tuple[bytes, int]:
+    def snapshot(self, run: str, version, *, if_sha256=None) -> tuple[bytes, int]:
         self.c.note("snapshot", version)
         return self.c.snapshot, int(version)  # the same weights under every version number
 

@@ -177,7 +177,8 @@ def test_a_worker_paused_before_it_starts_waits_then_trains_on_resume(api, run, 
     assert (w.client.upload_bucket.rate, w.client.download_bucket.rate) == (10_000_000, 100_000_000)
     final = read_status(tmp_path)
     assert (final.state, final.rounds) == ("stopped", 1)
-    assert final.bytes_sent > 0 and final.bytes_received > final.bytes_sent  # a snapshot and a shard came in
+    # a shard came in (version 0 was built from the run's seed: only its hash was checked)
+    assert final.bytes_sent > 0 and final.bytes_received > 0
     assert "not running" in cli_out(capsys, ["worker", "status", "--state-dir", sd])
 
 
