@@ -647,7 +647,8 @@ class Coordinator:
         return blob, v, row.sha256
 
     def model_update(self, run_name: str, from_version: int, to_version: int) -> tuple[bytes, str]:
-        """(blob, sha256): the int8 change from one kept version to a later one (shared/algorithms/sync.py).
+        """(blob, sha256): the change from one kept version to a later one, int8 or int4 by the run's
+        update_values (shared/algorithms/sync.py).
 
         Built once per (from, to) and kept beside the snapshots, so the workers that hold the same
         version share it; a version that is no longer kept answers 410 (fetch the full snapshot)."""
@@ -657,6 +658,7 @@ class Coordinator:
             run = self._run(s, run_name)
             if to_version > run.version:
                 raise NotFound(f"run {run_name!r} has no version {to_version} (latest is {run.version})")
+            values = RunConfig.model_validate_json(run.config_json).update_values
             rows = {r.version: r for r in s.scalars(select(ModelVersion).where(
                 ModelVersion.run_id == run.id, ModelVersion.version.in_([from_version, to_version])))}
             run_id = run.id
@@ -674,7 +676,7 @@ class Coordinator:
             except FileNotFoundError:
                 raise Gone(f"a snapshot between {from_version} and {to_version} is no longer kept; "
                            f"fetch snapshots/{to_version} instead") from None
-            blob = codec.encode(sync.model_update(old, new, from_version=from_version))
+            blob = codec.encode(sync.model_update(old, new, from_version=from_version, values=values))
             self.storage.write(path, blob)
         self.traffic.add(run_id, down_model=len(blob))
         return blob, hashlib.sha256(blob).hexdigest()

@@ -140,6 +140,9 @@ class RunConfig(_Strict):
                                  description="if set, workers must present it to register")
     inner: InnerConfig = Field(default_factory=InnerConfig)
     compression: CompressionConfig = Field(default_factory=CompressionConfig)
+    update_values: Literal["int8", "int4"] = Field(
+        "int8", description="values of the incremental model updates workers download (GET /updates): int4 "
+                            "halves those bytes for a little more rounding (docs/BENCHMARKS.md)")
     outer: OuterConfig = Field(default_factory=OuterConfig)
     sparta: SpartaConfig = Field(default_factory=SpartaConfig)
     robust: RobustConfig = Field(default_factory=RobustConfig)

@@ -1,4 +1,4 @@
-"""GET /runs/{run}/updates/{from}/{to}: the int8 change between two kept versions."""
+"""GET /runs/{run}/updates/{from}/{to}: the int8 (or int4) change between two kept versions."""
 
 from __future__ import annotations
 
@@ -64,3 +64,23 @@ def test_an_update_from_a_version_no_longer_kept_is_gone(tmp_path, open_api, run
         resp = api.client.get(f"{API}/runs/t/updates/1/4")
         assert resp.status_code == 410 and "snapshots/4" in resp.json()["detail"]
         assert api.client.get(f"{API}/runs/t/updates/0/4").status_code == 200  # version 0 is always kept
+
+
+def test_a_run_with_int4_updates_serves_them_in_int4(api, run_config, make_delta):
+    api.create_run(run_config(update_values="int4"))
+    w = api.register()
+    for seed in (1, 2):
+        lease = api.lease(w)
+        api.accept(lease.lease_id, make_delta(lease, seed=seed, scale=0.05), w)
+        api.drain()
+    schema = schema_of(lease)
+    old, _ = decode_snapshot(api.snapshot(0), schema=schema)
+    new, _ = decode_snapshot(api.snapshot(2), schema=schema)
+    blob = api.client.get(f"{API}/runs/t/updates/0/2").content
+    update = codec.decode(blob, schema=schema)
+    assert {e.value_kind for e in update.entries} == {codec.ValueKind.INT4}
+    got = {n: t.clone() for n, t in old.items()}
+    apply_update(got, update)
+    for n in new:  # int4 rounding: at most max|change| / 14 per block of 256
+        assert (got[n] - new[n]).abs().max() <= (new[n] - old[n]).abs().max() / 14 * 1.01 + 1e-7, n
+    assert len(blob) < 0.2 * len(api.snapshot(2))
