@@ -32,42 +32,60 @@ class Profile:
     lr: float
     warmup_steps: int
     H: int  # local steps per round for the diloco family
+    # rows that only the quick profile affords: DiLoCo's published outer optimiser and the default
+    # without the look-ahead (the A/B of OuterConfig.lookahead)
+    extra_rows: bool = False
 
 
 PROFILES = {
     # Minutes on 2 cores: a smaller model, fewer steps; the same methods and accounting.
     "quick": Profile(ModelConfig(n_layer=2, n_head=4, d_model=64, context=64), steps_per_worker=160,
-                     corpus_max_bytes=4 << 20, eval_tokens=1 << 15, lr=3e-3, warmup_steps=20, H=20),
+                     corpus_max_bytes=4 << 20, eval_tokens=1 << 15, lr=3e-3, warmup_steps=20, H=20, extra_rows=True),
     # The shape of the published SPARTA measurements (ANCHORS.md): 644k params, context 128.
-    # 250 steps x 8 workers x 9 methods is what fits the hour on 2 cores.
+    # 250 steps x 8 workers x 9 methods (and one lone worker) is what fits the hour on 2 cores.
     "full": Profile(ModelConfig(), steps_per_worker=250, corpus_max_bytes=16 << 20, eval_tokens=1 << 16,
                     lr=2e-3, warmup_steps=25, H=25),
 }
 
 
 def methods_for(p: Profile, *, workers: int, hetero: float = 1.0) -> list[Method]:
+    defaults = RunConfig(name="defaults")
     dense32 = CompressionConfig(index="dense", fraction=1.0, values="fp32", error_feedback=False)
     dense8 = CompressionConfig(index="dense", fraction=1.0, values="int8", error_feedback=True)
-    topk = CompressionConfig(index="topk", fraction=0.1, values="int8", error_feedback=True)
-    topk_small = CompressionConfig(index="topk", fraction=0.02, values="int4", error_feedback=True)
+    dense4 = CompressionConfig(index="dense", fraction=1.0, values="int4", error_feedback=True)
     paper = OuterConfig(lr=0.7, momentum=0.9, group=workers)  # DiLoCo's published outer optimiser
-    default = RunConfig(name="defaults").outer.model_copy(update={"group": workers})
+    outer = defaults.outer.model_copy(update={"group": workers})
+    default = Method(f"diloco H={p.H} {_label(defaults.compression)} (default)", "diloco", H=p.H,
+                     compression=defaults.compression, outer=outer)
+    long_h = p.steps_per_worker // 2  # two rounds in the whole run
     methods = [
         Method("ddp", "ddp"),
-        Method(f"diloco H={p.H} (paper outer)", "diloco", H=p.H, compression=dense32, outer=paper),
-        Method(f"diloco H={p.H} int8+EF (default)", "diloco", H=p.H, compression=dense8, outer=default),
-        Method(f"diloco H={p.H} top10% int8+EF", "diloco", H=p.H, compression=topk, outer=default),
-        Method(f"diloco H={2 * p.H} top2% int4+EF, delta down", "diloco", H=2 * p.H, compression=topk_small,
-               outer=default, down="delta"),
+        Method(f"1 worker alone (1/{workers} of the tokens, nothing sent)", "alone"),
+        default,
+        Method(f"diloco H={2 * p.H} int4+EF, int4 down", "diloco", H=2 * p.H, compression=dense4, outer=outer,
+               update_values="int4"),
+        Method(f"diloco H={long_h} int4+EF, int4 down", "diloco", H=long_h, compression=dense4, outer=outer,
+               update_values="int4"),
         Method("sparta p=0.5%", "sparta", sparta_p=0.005),
         Method("sparta p=0.1%", "sparta", sparta_p=0.001),
         Method(f"sparta p=0.5% + diloco H={p.H}", "sparta+diloco", H=p.H, sparta_p=0.005, compression=dense8,
-               outer=default),
+               outer=outer),
     ]
+    if p.extra_rows:
+        methods[3:3] = [
+            Method(f"diloco H={p.H} (paper outer: lr 0.7, Nesterov 0.9), fp32", "diloco", H=p.H,
+                   compression=dense32, outer=paper),
+            dataclasses.replace(default, name=f"{default.name}, no look-ahead",
+                                outer=outer.model_copy(update={"lookahead": False})),
+        ]
     if hetero != 1.0:  # the default method again with workers of unequal speed, side by side
-        methods.append(dataclasses.replace(methods[2], name=f"{methods[2].name}, speeds 1-{hetero:g}x",
-                                           speed_spread=hetero))
+        methods.append(dataclasses.replace(default, name=f"{default.name}, speeds 1-{hetero:g}x", speed_spread=hetero))
     return methods
+
+
+def _label(c: CompressionConfig) -> str:
+    kind = "" if c.index == "dense" else f"{c.index}{c.fraction:.0%} "
+    return f"{kind}{c.values}{'+EF' if c.error_feedback else ''}"
 
 
 def result_row(r: Result, *, ddp: Result, dense_bytes: float) -> dict:

@@ -3,7 +3,10 @@ with the same shared math (shared/algorithms) and the same wire format (shared/c
 real coordinator and worker, so bytes counted here are the bytes that would travel.
 
 Asynchrony is simulated with a clock: worker i finishes a round H / speed_i after it started,
-deltas merge in finishing order, and a worker always restarts from the newest global model.
+deltas merge in finishing order, and a worker always restarts from the newest published model
+(shared/algorithms/outer.py `published`), fetched as the real worker fetches it (worker/loop.py
+`_params`): version 0 built from the run's seed, then the int8 change since the copy it holds,
+a full snapshot after sync.MAX_HOPS changes in a row.
 """
 
 from __future__ import annotations
@@ -17,10 +20,10 @@ import numpy as np
 import torch
 
 from shared import codec
-from shared.algorithms import sparta
+from shared.algorithms import sparta, sync
 from shared.algorithms.compress import compress_with_feedback
 from shared.algorithms.inner import make_optimizer, pseudo_gradient, run_steps, scheduled_lr
-from shared.algorithms.outer import OuterState, apply_delta, staleness_weight
+from shared.algorithms.outer import OuterState, apply_delta, published, staleness_weight
 from shared.config import CompressionConfig, InnerConfig, OuterConfig
 from shared.model import ModelConfig, build_model, count_params, evaluate_loss, get_params, set_params
 from shared.snapshot import encode_snapshot
@@ -51,7 +54,7 @@ class Setup:
 @dataclasses.dataclass(frozen=True)
 class Method:
     name: str
-    kind: str  # ddp | diloco | sparta | sparta+diloco
+    kind: str  # ddp | alone | diloco | sparta | sparta+diloco
     H: int = 1  # local steps per outer round (diloco kinds)
     compression: CompressionConfig = CompressionConfig(index="dense", fraction=1.0, values="fp32",
                                                        error_feedback=False)
@@ -59,7 +62,11 @@ class Method:
     sparta_p: float = 0.0  # fraction exchanged per sparta step
     sparta_every: int = 1  # local steps between sparta exchanges
     sparta_values: str = "fp16"  # dtype of the exchanged values on the wire
-    down: str = "snapshot"  # what a diloco worker downloads per round: snapshot | delta (the merged update)
+    # how a worker gets a round's base: "update" as the real worker does (the int8 change since the copy it
+    # holds, a full snapshot every sync.MAX_HOPS + 1 rounds), or "snapshot" (the full model every round)
+    down: str = "update"
+    update_values: str = "int8"  # RunConfig.update_values: the values of those updates
+    join: str = "seed"  # version 0: "seed" (built from the run's seed, as the real worker does) or "snapshot"
     speed_spread: float = 1.0  # diloco: worker speeds spread geometrically up to this factor (async merges)
 
 
@@ -112,6 +119,24 @@ def run_ddp(setup: Setup, method: Method) -> Result:
     return Result(method.name, curve, curve[-1][1], dense, dense, time.perf_counter() - t0)
 
 
+def run_alone(setup: Setup, method: Method) -> Result:
+    """The no-communication reference: one worker trains its own share of the tokens (1/N of the
+    others') with the same steps and lr schedule as each worker of the other methods, and nothing
+    travels (version 0 comes from the run's seed)."""
+    t0 = time.perf_counter()
+    init = get_params(build_model(setup.model, seed=setup.seed))
+    r = _Replica(setup, 0, init)
+    evaluate = _Evaluator(setup)
+    steps = setup.steps_per_worker
+    every = max(1, steps // setup.eval_points)
+    curve = [(0, evaluate(init))]
+    while r.steps < steps:
+        n = min(every, steps - r.steps)
+        r.train(setup, n, _lr(setup, r.steps * setup.workers * setup.tokens_per_step))
+        curve.append((r.steps * setup.tokens_per_step, evaluate(get_params(r.model))))
+    return Result(method.name, curve, curve[-1][1], 0.0, 0.0, time.perf_counter() - t0)
+
+
 class _Replica:
     def __init__(self, setup: Setup, i: int, init: dict[str, torch.Tensor]) -> None:
         self.model = build_model(setup.model, seed=setup.seed)
@@ -122,11 +147,33 @@ class _Replica:
         self.residual: dict[str, torch.Tensor] = {}
         self.bytes_up = 0
         self.bytes_down = 0
+        self.held: tuple[int, dict[str, torch.Tensor]] | None = None  # (version, the copy of it this worker holds)
+        self.hops = 0  # updates applied since the last full snapshot
 
     def train(self, setup: Setup, n: int, lr: float) -> None:
         run_steps(self.model, self.opt, setup.train, setup.inner, lr=lr, steps=n, generator=self.gen,
                   step_offset=self.steps)
         self.steps += n
+
+    def fetch(self, version: int, served: dict[int, dict[str, torch.Tensor]], method: Method) -> dict[str, torch.Tensor]:
+        """The base of a round at `version`, got and counted as worker/loop.py `_params` gets it;
+        `served` holds the coordinator's published model of every version a worker may ask for."""
+        if self.held is not None and self.held[0] == version:
+            params = self.held[1]
+        elif self.held is None and version == 0 and method.join == "seed":
+            params = {n: t.clone() for n, t in served[0].items()}  # the run's seed gives the same weights
+        elif self.held is not None and method.down == "update" and self.hops < sync.MAX_HOPS:
+            blob = codec.encode(sync.model_update(served[self.held[0]], served[version], from_version=self.held[0],
+                                                     values=method.update_values))
+            self.bytes_down += len(blob)
+            params = {n: t.clone() for n, t in self.held[1].items()}
+            sync.apply_update(params, codec.decode(blob, schema={n: tuple(t.shape) for n, t in params.items()}))
+            self.hops += 1
+        else:
+            self.bytes_down += len(encode_snapshot(served[version]))
+            params, self.hops = {n: t.clone() for n, t in served[version].items()}, 0
+        self.held = (version, params)
+        return params
 
 
 def run_sparta(setup: Setup, method: Method, *, outer_every: int | None = None) -> Result:
@@ -146,8 +193,9 @@ def run_sparta(setup: Setup, method: Method, *, outer_every: int | None = None) 
     steps = setup.steps_per_worker
     every = max(1, steps // setup.eval_points)
     curve = [(0, evaluate(init))]
+    served = {0: init}  # published model by version (one version per outer round)
     for r in replicas:
-        r.bytes_down += len(encode_snapshot(init))  # joining: one full snapshot
+        r.fetch(0, served, method)  # joining
     for step in range(steps):
         lr = _lr(setup, step * setup.workers * setup.tokens_per_step)
         for i, r in enumerate(replicas):
@@ -170,12 +218,13 @@ def run_sparta(setup: Setup, method: Method, *, outer_every: int | None = None) 
                 body = codec.encode(delta)
                 r.bytes_up += len(body)
                 apply_delta(state, codec.decode(body, schema=schema), weight=1.0, cfg=outer)
+            version = (step + 1) // outer_every
+            served[version] = published(state, outer)
             for i, r in enumerate(replicas):
-                bases[i] = {n: t.clone() for n, t in state.params.items()}
+                bases[i] = {n: t.clone() for n, t in r.fetch(version, served, method).items()}
                 set_params(r.model, bases[i])
-                r.bytes_down += len(encode_snapshot(bases[i]))
         if (step + 1) % every == 0 or step + 1 == steps:
-            curve.append(((step + 1) * setup.workers * setup.tokens_per_step, evaluate(state.params)))
+            curve.append(((step + 1) * setup.workers * setup.tokens_per_step, evaluate(published(state, outer))))
     up = float(np.mean([r.bytes_up for r in replicas]))
     down = float(np.mean([r.bytes_down for r in replicas]))
     return Result(method.name, curve, curve[-1][1], up, down, time.perf_counter() - t0)
@@ -184,7 +233,7 @@ def run_sparta(setup: Setup, method: Method, *, outer_every: int | None = None) 
 def run_diloco(setup: Setup, method: Method, *, on_merge: Callable[[int], None] | None = None) -> Result:
     """Asynchronous DiLoCo as the coordinator runs it: each finished round is compressed with
     error feedback, encoded, and merged on arrival with the staleness-weighted delayed-Nesterov
-    rule; the worker then restarts from the newest global model."""
+    rule; the worker then restarts from the newest published model."""
     t0 = time.perf_counter()
     init = get_params(build_model(setup.model, seed=setup.seed))
     state = OuterState.fresh(init)
@@ -200,22 +249,16 @@ def run_diloco(setup: Setup, method: Method, *, on_merge: Callable[[int], None] 
     schema = {n: tuple(t.shape) for n, t in init.items()}
     staleness: list[int] = []
     heap: list[tuple[float, int, int, bytes, int]] = []  # (finish time, worker, base version, delta, tokens)
-    bases: dict[int, dict[str, torch.Tensor]] = {}
-    last_version_seen = [0] * setup.workers
+    served = {0: init}  # the coordinator's published model of every version still held by a worker
 
     def start(i: int, now: float) -> None:
         nonlocal tokens_started
         r = replicas[i]
-        base = {n: t.clone() for n, t in state.params.items()}
-        if method.down == "snapshot" or r.steps == 0:
-            r.bytes_down += len(encode_snapshot(base))
-        else:  # the merged update since the worker's last base, int8 + zstd (what incremental sync costs)
-            diff = {n: bases[i][n] - base[n] for n in base}
-            d = codec.Delta(version, tuple(codec.Entry(n, t.numel(), codec.IndexKind.DENSE, codec.ValueKind.INT8,
-                                                       t.reshape(-1).numpy()) for n, t in diff.items()))
-            r.bytes_down += len(codec.encode(d))
-        bases[i] = base
-        last_version_seen[i] = version
+        if version not in served:
+            served[version] = published(state, method.outer)
+        base = {n: t.clone() for n, t in r.fetch(version, served, method).items()}
+        for v in [v for v in served if v != version and all(x.held is None or x.held[0] != v for x in replicas)]:
+            del served[v]
         set_params(r.model, base)
         lr = _lr(setup, tokens_started)
         r.train(setup, method.H, lr)
@@ -240,12 +283,12 @@ def run_diloco(setup: Setup, method: Method, *, on_merge: Callable[[int], None] 
         if on_merge:
             on_merge(version)
         if tokens_merged >= next_eval or (not heap and tokens_started >= budget):
-            curve.append((tokens_merged, evaluate(state.params)))
+            curve.append((tokens_merged, evaluate(published(state, method.outer))))
             next_eval += budget / setup.eval_points
         if tokens_started < budget:
             start(i, now)
     if curve[-1][0] != tokens_merged:
-        curve.append((tokens_merged, evaluate(state.params)))
+        curve.append((tokens_merged, evaluate(published(state, method.outer))))
     up = float(np.mean([r.bytes_up for r in replicas]))
     down = float(np.mean([r.bytes_down for r in replicas]))
     return Result(method.name, curve, curve[-1][1], up, down, time.perf_counter() - t0, merges=version,
@@ -256,6 +299,8 @@ def run_diloco(setup: Setup, method: Method, *, on_merge: Callable[[int], None] 
 def run_method(setup: Setup, method: Method) -> Result:
     if method.kind == "ddp":
         return run_ddp(setup, method)
+    if method.kind == "alone":
+        return run_alone(setup, method)
     if method.kind == "diloco":
         return run_diloco(setup, method)
     if method.kind == "sparta":

@@ -84,3 +84,44 @@ def test_hetero_adds_side_by_side_copies():
     names = [m.name for m in methods_for(PROFILES["quick"], workers=8, hetero=4)]
     assert any(n.endswith("speeds 1-4x") for n in names)
     assert names[0] == "ddp"
+
+
+def test_a_lone_worker_sends_nothing_and_trains_its_share(setup):
+    r = run_method(setup, Method("alone", "alone"))
+    assert r.bytes_up_per_worker == r.bytes_down_per_worker == 0
+    assert r.curve[-1][0] == setup.steps_per_worker * setup.tokens_per_step
+    assert r.eval_loss < r.curve[0][1]
+
+
+def test_workers_fetch_bases_as_the_real_worker_does(setup):
+    """Version 0 from the seed (nothing downloaded), then int8 updates: a fraction of full snapshots."""
+    from shared.model import get_params
+    from shared.snapshot import encode_snapshot
+
+    upd = run_method(setup, Method("d", "diloco", H=2, outer=OuterConfig(group=3)))
+    snap = run_method(setup, Method("d", "diloco", H=2, outer=OuterConfig(group=3), down="snapshot"))
+    rounds = setup.steps_per_worker // 2
+    full = len(encode_snapshot(get_params(build_model(TINY, seed=setup.seed))))
+    assert snap.bytes_down_per_worker == pytest.approx((rounds - 1) * full, rel=0.1)  # join from the seed
+    assert 0 < upd.bytes_down_per_worker < snap.bytes_down_per_worker / 2
+    joined = run_method(setup, Method("d", "diloco", H=2, outer=OuterConfig(group=3), down="snapshot",
+                                      join="snapshot"))
+    assert joined.bytes_down_per_worker == pytest.approx(snap.bytes_down_per_worker + full, rel=0.05)
+    # the int8 updates are lossy, so the runs differ, but not by much
+    assert upd.eval_loss != snap.eval_loss and abs(upd.eval_loss - snap.eval_loss) < 0.05 * snap.eval_loss
+
+
+def test_lookahead_changes_what_workers_start_from(setup):
+    on = run_method(setup, Method("d", "diloco", H=2, outer=OuterConfig(group=3)))
+    off = run_method(setup, Method("d", "diloco", H=2, outer=OuterConfig(group=3, lookahead=False)))
+    assert on.eval_loss != off.eval_loss and on.bytes_up_per_worker > 0
+
+
+def test_the_default_row_is_run_creates_default():
+    from shared.config import RunConfig
+
+    d = RunConfig(name="x")
+    rows = [m for m in methods_for(PROFILES["full"], workers=8) if m.name.endswith("(default)")]
+    assert len(rows) == 1 and rows[0].kind == d.algorithm
+    assert rows[0].compression == d.compression
+    assert rows[0].outer == d.outer.model_copy(update={"group": 8})
