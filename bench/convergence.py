@@ -31,7 +31,7 @@ class Profile:
     eval_tokens: int
     lr: float
     warmup_steps: int
-    H: int  # local steps per round for the diloco family
+    H: int  # local steps per round of the default row (the diloco family; H/2 for the int8 and sparta rows)
     # rows that only the quick profile affords: DiLoCo's published outer optimiser and the default
     # without the look-ahead (the A/B of OuterConfig.lookahead)
     extra_rows: bool = False
@@ -40,11 +40,11 @@ class Profile:
 PROFILES = {
     # Minutes on 2 cores: a smaller model, fewer steps; the same methods and accounting.
     "quick": Profile(ModelConfig(n_layer=2, n_head=4, d_model=64, context=64), steps_per_worker=160,
-                     corpus_max_bytes=4 << 20, eval_tokens=1 << 15, lr=3e-3, warmup_steps=20, H=20, extra_rows=True),
+                     corpus_max_bytes=4 << 20, eval_tokens=1 << 15, lr=3e-3, warmup_steps=20, H=40, extra_rows=True),
     # The shape of the published SPARTA measurements (ANCHORS.md): 644k params, context 128.
-    # 250 steps x 8 workers x 9 methods (and one lone worker) is what fits the hour on 2 cores.
+    # 250 steps x 8 workers x 8 methods (and one lone worker) is what fits the hour on 2 cores.
     "full": Profile(ModelConfig(), steps_per_worker=250, corpus_max_bytes=16 << 20, eval_tokens=1 << 16,
-                    lr=2e-3, warmup_steps=25, H=25),
+                    lr=2e-3, warmup_steps=25, H=50),
 }
 
 
@@ -55,28 +55,31 @@ def methods_for(p: Profile, *, workers: int, hetero: float = 1.0) -> list[Method
     dense4 = CompressionConfig(index="dense", fraction=1.0, values="int4", error_feedback=True)
     paper = OuterConfig(lr=0.7, momentum=0.9, group=workers)  # DiLoCo's published outer optimiser
     outer = defaults.outer.model_copy(update={"group": workers})
-    default = Method(f"diloco H={p.H} {_label(defaults.compression)} (default)", "diloco", H=p.H,
-                     compression=defaults.compression, outer=outer)
-    long_h = p.steps_per_worker // 2  # two rounds in the whole run
+    default = Method(f"diloco H={p.H} {_label(defaults.compression)}, {defaults.update_values} down (default)",
+                     "diloco", H=p.H, compression=defaults.compression, outer=outer,
+                     update_values=defaults.update_values)
+    short_h, long_h = p.H // 2, p.steps_per_worker // 2  # twice the rounds; two rounds in the whole run
+    int8 = Method(f"diloco H={short_h} int8+EF, int8 down", "diloco", H=short_h, compression=dense8, outer=outer,
+                  update_values="int8")
     methods = [
         Method("ddp", "ddp"),
         Method(f"1 worker alone (1/{workers} of the tokens, nothing sent)", "alone"),
+        int8,
         default,
-        Method(f"diloco H={2 * p.H} int4+EF, int4 down", "diloco", H=2 * p.H, compression=dense4, outer=outer,
-               update_values="int4"),
         Method(f"diloco H={long_h} int4+EF, int4 down", "diloco", H=long_h, compression=dense4, outer=outer,
                update_values="int4"),
         Method("sparta p=0.5%", "sparta", sparta_p=0.005),
         Method("sparta p=0.1%", "sparta", sparta_p=0.001),
-        Method(f"sparta p=0.5% + diloco H={p.H}", "sparta+diloco", H=p.H, sparta_p=0.005, compression=dense8,
+        Method(f"sparta p=0.5% + diloco H={short_h}", "sparta+diloco", H=short_h, sparta_p=0.005, compression=dense8,
                outer=outer),
     ]
-    if p.extra_rows:
+    if p.extra_rows:  # DiLoCo's published outer optimiser, and the A/B of the look-ahead
         methods[3:3] = [
-            Method(f"diloco H={p.H} (paper outer: lr 0.7, Nesterov 0.9), fp32", "diloco", H=p.H,
-                   compression=dense32, outer=paper),
-            dataclasses.replace(default, name=f"{default.name}, no look-ahead",
+            Method(f"diloco H={short_h} (paper outer: lr 0.7, Nesterov 0.9), fp32", "diloco", H=short_h,
+                   compression=dense32, outer=paper, update_values="int8"),
+            dataclasses.replace(int8, name=f"{int8.name}, no look-ahead",
                                 outer=outer.model_copy(update={"lookahead": False})),
+            dataclasses.replace(int8, name=f"{int8.name}, synchronous (every round waits for all)", barrier=True),
         ]
     if hetero != 1.0:  # the default method again with workers of unequal speed, side by side
         methods.append(dataclasses.replace(default, name=f"{default.name}, speeds 1-{hetero:g}x", speed_spread=hetero))
@@ -95,7 +98,9 @@ def result_row(r: Result, *, ddp: Result, dense_bytes: float) -> dict:
         "loss_ratio_vs_ddp": round(r.eval_loss / ddp.eval_loss, 4),
         "bytes_up_per_worker": int(r.bytes_up_per_worker),
         "bytes_down_per_worker": int(r.bytes_down_per_worker),
-        "traffic_reduction_vs_ddp": round(2 * dense_bytes / max(1.0, r.bytes_up_per_worker + r.bytes_down_per_worker), 1),
+        # None: nothing travelled (the lone worker), no finite factor
+        "traffic_reduction_vs_ddp": (round(2 * dense_bytes / (r.bytes_up_per_worker + r.bytes_down_per_worker), 1)
+                                     if r.bytes_up_per_worker + r.bytes_down_per_worker > 0 else None),
         "wall_s": round(r.wall_s, 1),
         "curve": [[int(t), round(loss, 4)] for t, loss in r.curve],
     }
@@ -107,8 +112,13 @@ def write_markdown(rows: list[dict], path: Path, *, header: str) -> None:
     for r in rows:
         lines.append(f"| {r['method']} | {r['eval_loss']:.3f} | {r['loss_ratio_vs_ddp']:.3f} | "
                      f"{r['bytes_up_per_worker'] / 1e6:.2f} MB | {r['bytes_down_per_worker'] / 1e6:.2f} MB | "
-                     f"{r['traffic_reduction_vs_ddp']:.0f}x | {r['wall_s']:.0f} |")
+                     f"{_reduction(r)} | {r['wall_s']:.0f} |")
     path.write_text("\n".join(lines) + "\n")
+
+
+def _reduction(row: dict) -> str:
+    factor = row["traffic_reduction_vs_ddp"]
+    return "nothing sent" if factor is None else f"{factor:.0f}x"
 
 
 def plot(rows: list[dict], path: Path, *, title: str) -> None:
@@ -120,7 +130,7 @@ def plot(rows: list[dict], path: Path, *, title: str) -> None:
     fig, ax = plt.subplots(figsize=(8, 5))
     for r in rows:
         t, loss = zip(*r["curve"])
-        ax.plot([x / 1e6 for x in t], loss, marker="o", markersize=3, label=f"{r['method']} ({r['traffic_reduction_vs_ddp']:.0f}x)")
+        ax.plot([x / 1e6 for x in t], loss, marker="o", markersize=3, label=f"{r['method']} ({_reduction(r)})")
     ax.set_xlabel("tokens trained (millions)")
     ax.set_ylabel("held-out loss (nats/byte)")
     ax.set_title(title)

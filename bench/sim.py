@@ -68,6 +68,9 @@ class Method:
     update_values: str = "int8"  # RunConfig.update_values: the values of those updates
     join: str = "seed"  # version 0: "seed" (built from the run's seed, as the real worker does) or "snapshot"
     speed_spread: float = 1.0  # diloco: worker speeds spread geometrically up to this factor (async merges)
+    # diloco: a round starts only once every worker's previous delta is merged (synchronous DiLoCo, the
+    # reference for the asynchronous merge; what idletrain never does, since a worker would wait)
+    barrier: bool = False
 
 
 @dataclasses.dataclass
@@ -270,6 +273,7 @@ def run_diloco(setup: Setup, method: Method, *, on_merge: Callable[[int], None] 
         r.bytes_up += len(body)
         heapq.heappush(heap, (now + method.H / speeds[i], i, version, body, method.H * setup.tokens_per_step))
 
+    waiting: list[int] = []  # barrier: workers done with this round
     for i in range(setup.workers):
         start(i, 0.0)
     while heap:
@@ -285,7 +289,13 @@ def run_diloco(setup: Setup, method: Method, *, on_merge: Callable[[int], None] 
         if tokens_merged >= next_eval or (not heap and tokens_started >= budget):
             curve.append((tokens_merged, evaluate(published(state, method.outer))))
             next_eval += budget / setup.eval_points
-        if tokens_started < budget:
+        if method.barrier:  # the synchronous reference: every worker waits for the round's last delta
+            waiting.append(i)
+            if not heap and tokens_started < budget:
+                for j in waiting:
+                    start(j, now)
+                waiting.clear()
+        elif tokens_started < budget:
             start(i, now)
     if curve[-1][0] != tokens_merged:
         curve.append((tokens_merged, evaluate(published(state, method.outer))))

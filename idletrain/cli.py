@@ -135,6 +135,7 @@ RUN_FLAGS = [  # (flag, dotted config key, type, help)
     ("--compression", "compression.index", str, "topk | random | dense"),
     ("--fraction", "compression.fraction", float, "share of elements sent per round"),
     ("--values", "compression.values", str, "fp32 | fp16 | int8 | int4"),
+    ("--update-values", "update_values", str, "int8 | int4: the values of the model updates workers download"),
     ("--outer-lr", "outer.lr", float, "outer learning rate"),
     ("--outer-momentum", "outer.momentum", float, "outer Nesterov momentum"),
     ("--group", "outer.group", int, "deltas per outer momentum step (about the number of workers)"),
@@ -327,6 +328,8 @@ def _fetch_model(args: argparse.Namespace, version: str):
 def cmd_export(args: argparse.Namespace) -> int:
     import safetensors.torch
 
+    from shared.snapshot import snapshot_metadata
+
     out = Path(args.out)
     if out.suffix != ".safetensors":
         return _fail(f"write the model to a .safetensors file, not {out.name!r}")
@@ -334,7 +337,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     if rc:
         return rc
     params, meta, model_cfg = got
-    metadata = {"run": args.run, "version": str(meta["version"]), "model": json.dumps(model_cfg.to_dict()),
+    metadata = {**snapshot_metadata(args.run, int(meta["version"]), model_cfg.to_dict()),
                 "format": "idletrain TransformerLM (byte-level); shared.model.build_model(ModelConfig(**model))"}
     out.parent.mkdir(parents=True, exist_ok=True)
     safetensors.torch.save_file({n: t.contiguous() for n, t in params.items()}, str(out), metadata=metadata)

@@ -37,9 +37,10 @@ class InnerConfig(_Strict):
 class CompressionConfig(_Strict):
     """How a pseudo-gradient is cut down before it travels.
 
-    Default: every element, int8 with per-block scales, error feedback: 4x smaller than fp32 and,
-    measured side by side (docs/BENCHMARKS.md), as good as fp32; top-k sparsity saves more bytes
-    per round but in short runs costs more loss than it saves.
+    Default: every element, int4 with per-block scales, error feedback: 8x smaller than fp32. With
+    error feedback what int4 rounds off goes into the next round, and measured side by side
+    (docs/BENCHMARKS.md) it costs next to nothing against int8 or fp32; top-k sparsity saves bytes
+    too, but in short runs costs more loss than it saves.
     """
 
     index: Literal["dense", "random", "topk"] = Field(
@@ -47,7 +48,7 @@ class CompressionConfig(_Strict):
                              "topk: the largest-magnitude fraction (packed indices travel)")
     fraction: float = Field(None, gt=0, le=1, validate_default=False,
                             description="share of each tensor's elements sent (default: 1 for dense, 0.1 otherwise)")
-    values: Literal["fp32", "fp16", "int8", "int4"] = "int8"
+    values: Literal["fp32", "fp16", "int8", "int4"] = "int4"
     error_feedback: bool = Field(True, description="keep what was not sent and add it to the next round")
 
     @model_validator(mode="before")
@@ -141,7 +142,7 @@ class RunConfig(_Strict):
     inner: InnerConfig = Field(default_factory=InnerConfig)
     compression: CompressionConfig = Field(default_factory=CompressionConfig)
     update_values: Literal["int8", "int4"] = Field(
-        "int8", description="values of the incremental model updates workers download (GET /updates): int4 "
+        "int4", description="values of the incremental model updates workers download (GET /updates): int4 "
                             "halves those bytes for a little more rounding (docs/BENCHMARKS.md)")
     outer: OuterConfig = Field(default_factory=OuterConfig)
     sparta: SpartaConfig = Field(default_factory=SpartaConfig)

@@ -312,10 +312,10 @@ class Worker:
             except (DeltaFormatError, IntegrityError) as exc:
                 log.warning("update %d -> %d unusable (%s); downloading the snapshot", held[0], lease.base_version,
                             exc)
-        made = None
+        made = None  # version 0 made here from the run's seed: only its hash is checked, nothing downloaded
         if held is None and lease.base_version == 0 and lease.init_seed is not None:
-            made = version_zero(lease.run, lease.model, lease.init_seed)  # the run's seed gives version 0: check its hash instead of downloading it
-        blob, version = self.client.snapshot(lease.run, lease.base_version, if_sha256=made and made[1])
+            made = version_zero(lease.run, lease.model, lease.init_seed)
+        blob, version = self.client.snapshot(lease.run, lease.base_version, if_sha256=made[1] if made else None)
         if blob is None:
             params = made[0]
         else:

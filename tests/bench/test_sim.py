@@ -86,9 +86,13 @@ def test_hetero_adds_side_by_side_copies():
     assert names[0] == "ddp"
 
 
-def test_a_lone_worker_sends_nothing_and_trains_its_share(setup):
+def test_a_lone_worker_sends_nothing_and_trains_its_share(setup, tmp_path):
     r = run_method(setup, Method("alone", "alone"))
     assert r.bytes_up_per_worker == r.bytes_down_per_worker == 0
+    row = result_row(r, ddp=r, dense_bytes=ddp_bytes_per_worker(setup) / 2)
+    assert row["traffic_reduction_vs_ddp"] is None
+    write_markdown([row], tmp_path / "r.md", header="# t")
+    assert "nothing sent" in (tmp_path / "r.md").read_text()
     assert r.curve[-1][0] == setup.steps_per_worker * setup.tokens_per_step
     assert r.eval_loss < r.curve[0][1]
 
@@ -125,3 +129,15 @@ def test_the_default_row_is_run_creates_default():
     assert len(rows) == 1 and rows[0].kind == d.algorithm
     assert rows[0].compression == d.compression
     assert rows[0].outer == d.outer.model_copy(update={"group": 8})
+    assert rows[0].update_values == d.update_values and rows[0].H == PROFILES["full"].H
+
+
+def test_the_barrier_makes_every_round_start_from_one_version(setup):
+    """Synchronous DiLoCo: each round's deltas all start from the version after the last round."""
+    seen = []
+    import bench.sim as sim
+
+    r = sim.run_diloco(setup, Method("d", "diloco", H=2, outer=OuterConfig(group=3), barrier=True),
+                       on_merge=seen.append)
+    assert r.max_staleness == 2 and r.merges == setup.total_steps // 2  # 0, 1, 2 in every group of 3
+    assert r.curve[-1][0] == setup.total_steps * setup.tokens_per_step

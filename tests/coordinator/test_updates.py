@@ -29,8 +29,9 @@ def test_update_turns_an_old_snapshot_into_the_new_one(api, run, make_delta):
     assert update.base_version == 0
     got = {n: t.clone() for n, t in old.items()}
     apply_update(got, update)
-    for n in new:
-        assert (got[n] - new[n]).abs().max() <= (new[n] - old[n]).abs().max() / 254 * 1.01 + 1e-7, n
+    assert {e.value_kind for e in update.entries} == {codec.ValueKind.INT4}  # the run's update_values default
+    for n in new:  # int4 rounding: at most max|change| / 14 per block of 256
+        assert (got[n] - new[n]).abs().max() <= (new[n] - old[n]).abs().max() / 14 * 1.01 + 1e-7, n
     assert len(resp.content) < 0.5 * len(api.snapshot(3))
     # the second request is served from the file built by the first, and both are counted
     before = api.status()["bytes_down_model"]
@@ -66,8 +67,8 @@ def test_an_update_from_a_version_no_longer_kept_is_gone(tmp_path, open_api, run
         assert api.client.get(f"{API}/runs/t/updates/0/4").status_code == 200  # version 0 is always kept
 
 
-def test_a_run_with_int4_updates_serves_them_in_int4(api, run_config, make_delta):
-    api.create_run(run_config(update_values="int4"))
+def test_a_run_with_int8_updates_serves_them_in_int8(api, run_config, make_delta):
+    api.create_run(run_config(update_values="int8"))
     w = api.register()
     for seed in (1, 2):
         lease = api.lease(w)
@@ -78,9 +79,9 @@ def test_a_run_with_int4_updates_serves_them_in_int4(api, run_config, make_delta
     new, _ = decode_snapshot(api.snapshot(2), schema=schema)
     blob = api.client.get(f"{API}/runs/t/updates/0/2").content
     update = codec.decode(blob, schema=schema)
-    assert {e.value_kind for e in update.entries} == {codec.ValueKind.INT4}
+    assert {e.value_kind for e in update.entries} == {codec.ValueKind.INT8}
     got = {n: t.clone() for n, t in old.items()}
     apply_update(got, update)
-    for n in new:  # int4 rounding: at most max|change| / 14 per block of 256
-        assert (got[n] - new[n]).abs().max() <= (new[n] - old[n]).abs().max() / 14 * 1.01 + 1e-7, n
-    assert len(blob) < 0.2 * len(api.snapshot(2))
+    for n in new:  # int8 rounding: at most max|change| / 254 per block of 256
+        assert (got[n] - new[n]).abs().max() <= (new[n] - old[n]).abs().max() / 254 * 1.01 + 1e-7, n
+    assert len(blob) < 0.5 * len(api.snapshot(2))
