@@ -5,8 +5,8 @@ real coordinator and worker, so bytes counted here are the bytes that would trav
 Asynchrony is simulated with a clock: worker i finishes a round H / speed_i after it started,
 deltas merge in finishing order, and a worker always restarts from the newest published model
 (shared/algorithms/outer.py `published`), fetched as the real worker fetches it (worker/loop.py
-`_params`): version 0 built from the run's seed, then the int8 change since the copy it holds,
-a full snapshot after sync.MAX_HOPS changes in a row.
+`_params`): version 0 built from the run's seed, then the int8 or int4 change since the copy it
+holds, a full snapshot after sync.MAX_HOPS changes in a row.
 """
 
 from __future__ import annotations
@@ -158,7 +158,8 @@ class _Replica:
                   step_offset=self.steps)
         self.steps += n
 
-    def fetch(self, version: int, served: dict[int, dict[str, torch.Tensor]], method: Method) -> dict[str, torch.Tensor]:
+    def fetch(self, version: int, served: dict[int, dict[str, torch.Tensor]],
+              method: Method) -> dict[str, torch.Tensor]:
         """The base of a round at `version`, got and counted as worker/loop.py `_params` gets it;
         `served` holds the coordinator's published model of every version a worker may ask for."""
         if self.held is not None and self.held[0] == version:

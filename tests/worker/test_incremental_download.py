@@ -1,4 +1,5 @@
-"""A worker builds version 0 from the run's seed (checking only its hash); after its first snapshot it downloads only the int8 change to each new base version
+"""A worker builds version 0 from the run's seed (checking only its hash); after its first copy it
+downloads only the change (int4 or int8, the run's update_values) to each new base version
 (GET /updates/{from}/{to}), re-syncs from a full snapshot every MAX_HOPS updates, and falls back
 to the snapshot when the coordinator no longer keeps the version it holds."""
 
