@@ -32,8 +32,8 @@ class Profile:
     lr: float
     warmup_steps: int
     H: int  # local steps per round of the default row (the diloco family; H/2 for the int8 and sparta rows)
-    # rows that only the quick profile affords: DiLoCo's published outer optimiser and the default
-    # without the look-ahead (the A/B of OuterConfig.lookahead)
+    # rows that only the quick profile affords: DiLoCo's published outer optimiser, and the int8 row
+    # without the look-ahead (the A/B of OuterConfig.lookahead) and with a barrier (synchronous DiLoCo)
     extra_rows: bool = False
 
 

@@ -38,7 +38,7 @@ from shared.algorithms.outer import FlatOuter, OuterState, staleness_weight
 from shared.config import RunConfig
 from shared.errors import DeltaFormatError
 from shared.model import TransformerLM, build_model, evaluate_loss, get_params, param_schema, set_params
-from shared.snapshot import encode_snapshot_flat_parts, parts_sha256, safetensors_parts, snapshot_metadata
+from shared.snapshot import parts_sha256, run_snapshot_parts, safetensors_parts
 
 log = logging.getLogger(__name__)
 
@@ -110,8 +110,8 @@ class RunRuntime:
         t0 = time.monotonic()
         weights = self.outer.published_flat(self.config.outer)
         # in parts, never joined: a 460 MB join would hold the GIL (every request of this process waits)
-        parts = encode_snapshot_flat_parts(weights, self.outer.shapes, metadata=snapshot_metadata(
-            self.config.name, self.version, self.config.model.to_dict()))
+        parts = run_snapshot_parts(weights, self.outer.shapes, run=self.config.name, version=self.version,
+                                   model=self.config.model.to_dict())
         self.storage.write(self.storage.snapshot(self.run_id, self.version), parts)
         self.snapshot_done_at = time.monotonic()
         self.snapshot_cost_s, self.snapshot_version = self.snapshot_done_at - t0, self.version

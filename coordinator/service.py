@@ -658,7 +658,7 @@ class Coordinator:
             run = self._run(s, run_name)
             if to_version > run.version:
                 raise NotFound(f"run {run_name!r} has no version {to_version} (latest is {run.version})")
-            values = RunConfig.model_validate_json(run.config_json).update_values
+            config_json = run.config_json
             rows = {r.version: r for r in s.scalars(select(ModelVersion).where(
                 ModelVersion.run_id == run.id, ModelVersion.version.in_([from_version, to_version])))}
             run_id = run.id
@@ -676,6 +676,7 @@ class Coordinator:
             except FileNotFoundError:
                 raise Gone(f"a snapshot between {from_version} and {to_version} is no longer kept; "
                            f"fetch snapshots/{to_version} instead") from None
+            values = RunConfig.model_validate_json(config_json).update_values  # built once: only on a miss
             blob = codec.encode(sync.model_update(old, new, from_version=from_version, values=values))
             self.storage.write(path, blob)
         self.traffic.add(run_id, down_model=len(blob))

@@ -25,13 +25,20 @@ def snapshot_metadata(run: str, version: int, model: Mapping) -> dict[str, str]:
     return {"run": run, "version": str(version), "model": json.dumps(dict(model))}
 
 
+def run_snapshot_parts(flat: torch.Tensor, shapes: Mapping[str, tuple[int, ...]], *, run: str, version: int,
+                       model: Mapping) -> list[bytes]:
+    """The bytes (in parts) of a run's snapshot of `version`: the one encoder of what the coordinator
+    serves, so that a worker building version 0 itself gets the same bytes, hash and all."""
+    return encode_snapshot_flat_parts(flat, shapes, metadata=snapshot_metadata(run, version, model))
+
+
 def version_zero(run: str, model: Mapping, seed: int) -> tuple[dict[str, torch.Tensor], str]:
     """(weights, sha256 of the snapshot bytes) of a run's version 0, built here from the run's seed:
-    the same bytes as the coordinator's snapshot 0 (the same model, metadata and encoder)."""
+    the same bytes as the coordinator's snapshot 0 (the same model and run_snapshot_parts)."""
     params = get_params(build_model(ModelConfig.from_dict(model), seed=seed))
     flat = torch.cat([t.reshape(-1) for t in params.values()])
-    parts = encode_snapshot_flat_parts(flat, {n: tuple(t.shape) for n, t in params.items()},
-                                       metadata=snapshot_metadata(run, 0, model))
+    parts = run_snapshot_parts(flat, {n: tuple(t.shape) for n, t in params.items()}, run=run, version=0,
+                               model=model)
     return params, parts_sha256(parts)
 
 

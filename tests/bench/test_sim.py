@@ -140,4 +140,5 @@ def test_the_barrier_makes_every_round_start_from_one_version(setup):
     r = sim.run_diloco(setup, Method("d", "diloco", H=2, outer=OuterConfig(group=3), barrier=True),
                        on_merge=seen.append)
     assert r.max_staleness == 2 and r.merges == setup.total_steps // 2  # 0, 1, 2 in every group of 3
+    assert seen == list(range(1, r.merges + 1))
     assert r.curve[-1][0] == setup.total_steps * setup.tokens_per_step
