@@ -480,6 +480,24 @@ def cmd_bench_convergence(args: argparse.Namespace) -> int:
     return 0 if rows else 1
 
 
+def cmd_bench_averaging(args: argparse.Namespace) -> int:
+    if not _can_plot():
+        return _fail("the benchmark plots with matplotlib: pip install 'idletrain[bench]'")
+    from bench.averaging import run
+
+    if args.profile not in ("quick", "full"):
+        return _fail(f"unknown profile {args.profile!r}: pick quick or full")
+    if args.workers < 2:
+        return _fail("--workers must be at least 2")
+    if args.threads is not None and args.threads < 1:
+        return _fail("--threads must be at least 1")
+    out = Path(args.out or f"bench-results/averaging-{args.profile}")
+    run(profile=args.profile, out=out, workers=args.workers, threads=args.threads)
+    print((out / "results.md").read_text())
+    print(f"wrote {out / 'results.json'}, {out / 'results.md'}, {out / 'ratio.png'}")
+    return 0
+
+
 def cmd_bench_merge(args: argparse.Namespace) -> int:
     if not _can_plot():
         return _fail("the benchmark plots with matplotlib: pip install 'idletrain[bench]'")
@@ -705,6 +723,14 @@ def build_parser() -> argparse.ArgumentParser:
                                                               "(ddp always runs: it is the reference)")
     conv.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     conv.set_defaults(func=cmd_bench_convergence)
+    avg = bench.add_parser("averaging", help="where averaging AdamW workers loses against ddp: workers in "
+                                             "lock-step against oracles only every-step communication could know")
+    avg.add_argument("--profile", default="quick", help="quick (the H sweep, ~10 min on 2 cores) or full (also 4x "
+                                                        "the steps and 4x the batch, ~25 min)")
+    avg.add_argument("--out", default=None, help="output folder (default bench-results/averaging-PROFILE)")
+    avg.add_argument("--workers", type=int, default=8)
+    avg.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+    avg.set_defaults(func=cmd_bench_averaging)
     merge = bench.add_parser("merge", help="deltas merged per second, stage by stage, against a bare index_add_ "
                                            "of the same size measured in the same run")
     merge.add_argument("--params-model", default="gpt2-124m", help="gpt2-124m (124,439,808 params) or small")
