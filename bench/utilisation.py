@@ -2,8 +2,9 @@
 uploads throttled (10 Mbit/s by default), overlap off and on, side by side in one run.
 
 A real coordinator runs as a subprocess on loopback (`idletrain coordinator serve`, SQLite, a fresh
-data dir), with one run of the default small model (0.64M parameters: its int8 dense delta is
-~650 KB, about half a second at 10 Mbit/s). A real worker (worker.loop.Worker, in this process, one
+data dir), with one run of the default small model (0.64M parameters) per worker run, its deltas
+and model updates compressed as a run's defaults (int4 both ways: a dense delta of ~320 KB, about a
+quarter second at 10 Mbit/s), or as --values / --update-values say (int8: ~650 KB, half a second). A real worker (worker.loop.Worker, in this process, one
 torch thread, a fresh state dir each time) trains `rounds` rounds of `steps` local steps against it,
 its uploads paced by --max-upload-kbps (downloads are not limited), once per mode:
 
@@ -51,6 +52,7 @@ import torch
 
 from idletrain.demo import free_port, wait_healthy
 from shared import protocol
+from shared.config import RunConfig
 from shared.model import ModelConfig
 from worker.client import CoordinatorError
 
@@ -131,14 +133,18 @@ class Coordinator:
 
 
 def run_config(*, name: str, steps: int, batch: int, model: ModelConfig, shard_tokens: int,
-               corpus: str | None = None, relax_screening: bool = False) -> dict:
+               corpus: str | None = None, relax_screening: bool = False, values: str | None = None,
+               update_values: str | None = None) -> dict:
+    """values / update_values: the run's delta and model-update values (None: the run defaults)."""
+    defaults = RunConfig(name="defaults")
     return {
         "name": name, "corpus_max_bytes": 1 << 20, **({"corpus": corpus} if corpus else {}),
         "shard_tokens": shard_tokens, "eval_tokens": 4096,
         "eval_every": 1_000_000,  # no evaluations: they would take the coordinator's CPU from the worker
         "model": dataclasses.asdict(model),
         "inner": {"steps": steps, "batch_size": batch, "lr": 1e-3, "warmup_steps": min(5, steps)},
-        "compression": {"index": "dense", "values": "int8"},
+        "compression": {"index": "dense", "values": values or defaults.compression.values},
+        "update_values": update_values or defaults.update_values,
         # The run's robust screening as configured by default, unless relaxed (docs/BENCHMARKS.md: a
         # worker whose rounds started from a base without its own previous delta was once rejected).
         "robust": {"min_cosine": -1.0} if relax_screening else {},
@@ -215,7 +221,7 @@ def run(*, out: Path, rounds: int = 16, repeats: int = 2, steps: int = 20, batch
         model: ModelConfig | None = None, upload_kbps: float = 10_000.0, threads: int = 1,
         modes: tuple[str, ...] = ("off", "on", "ahead"), shard_tokens: int = 1 << 16,
         coordinator_env: dict[str, str] | None = None, corpus: str | None = None, relax_screening: bool = False,
-        command: str = "") -> dict:
+        values: str | None = None, update_values: str | None = None, command: str = "") -> dict:
     """Measure every mode `repeats` times; `corpus` (a path on this machine) instead of the built-in one."""
     model = model or ModelConfig()
     chosen = [MODES[m] for m in modes]
@@ -231,7 +237,8 @@ def run(*, out: Path, rounds: int = 16, repeats: int = 2, steps: int = 20, batch
     try:
         def config(name: str) -> dict:
             return run_config(name=name, steps=steps, batch=batch, model=model, shard_tokens=shard_tokens,
-                              corpus=corpus, relax_screening=relax_screening)
+                              corpus=corpus, relax_screening=relax_screening, values=values,
+                              update_values=update_values)
 
         coords["plain"] = Coordinator(root, keeping=False, env=env)
         if any(m.lease_ahead for m in chosen) and not coords["plain"].keeps_delivering_lease():
@@ -273,6 +280,7 @@ def run(*, out: Path, rounds: int = 16, repeats: int = 2, steps: int = 20, batch
         "command": command, "goal": GOAL, "rounds": rounds, "repeats": repeats, "steps": steps, "batch": batch,
         "model": dataclasses.asdict(model), "n_params": model.n_params(), "upload_kbps": upload_kbps,
         "threads": threads, "sent_per_round_bytes": delta_bytes, "robust": config("x")["robust"],
+        "values": config("x")["compression"]["values"], "update_values": config("x")["update_values"],
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
                     "python": platform.python_version()},
         "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t_start)),
@@ -295,7 +303,8 @@ def markdown(r: dict) -> str:
         lines += [f"`{r['command']}`", ""]
     sent = r["sent_per_round_bytes"]
     lines += [f"One worker, {r['rounds']} rounds of {r['steps']} local steps (batch {r['batch']}, model of "
-              f"{r['n_params']:,} parameters, int8 dense delta ~{(sent or 0) / 1e3:.0f} KB sent per round), "
+              f"{r['n_params']:,} parameters, {r.get('values', 'int8')} dense delta ~{(sent or 0) / 1e3:.0f} KB sent per "
+              f"round, {r.get('update_values', 'int8')} model updates down), "
               f"{r['threads']} torch thread(s), {r['repeats']} repeat(s) per mode interleaved, each worker run "
               f"training a fresh run of its own from the same initial model; "
               f"{r['machine']['cpus']} CPUs, started {r['started_at']}, {r['seconds']:.0f} s in all.", "",

@@ -566,9 +566,12 @@ def cmd_bench_utilisation(args: argparse.Namespace) -> int:
     out = Path(args.out or "bench-results/utilisation")
     command = (f"idletrain bench utilisation --rounds {args.rounds} --repeats {args.repeats} --steps {args.steps} "
                f"--batch {args.batch} --upload-kbps {args.upload_kbps:g} --threads {args.threads} "
-               f"--modes {' '.join(args.modes)}")
+               f"--modes {' '.join(args.modes)}"
+               + (f" --values {args.values}" if args.values else "")
+               + (f" --update-values {args.update_values}" if args.update_values else ""))
     result = run(out=out, rounds=args.rounds, repeats=args.repeats, steps=args.steps, batch=args.batch,
-                 upload_kbps=args.upload_kbps, threads=args.threads, modes=tuple(args.modes), command=command)
+                 upload_kbps=args.upload_kbps, threads=args.threads, modes=tuple(args.modes), values=args.values,
+                 update_values=args.update_values, command=command)
     print((out / "results.md").read_text())
     print(f"wrote {out / 'results.json'}, {out / 'results.md'}, {out / 'utilisation.png'}")
     return 0 if result["modes"] else 1
@@ -783,6 +786,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="off (worker setting overlap = false), on (overlap, today's coordinator), ahead "
                            "(overlap and the next lease fetched during the upload, against a coordinator patched "
                            "to keep that lease)")
+    util.add_argument("--values", default=None, choices=["fp32", "fp16", "int8", "int4"],
+                      help="the run's delta values (default: a run's default, int4)")
+    util.add_argument("--update-values", default=None, choices=["int8", "int4"],
+                      help="the run's model-update values (default: a run's default, int4)")
     util.add_argument("--out", default=None, help="output folder (default bench-results/utilisation)")
     util.set_defaults(func=cmd_bench_utilisation)
     return p

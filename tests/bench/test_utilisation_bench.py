@@ -22,6 +22,7 @@ def test_the_utilisation_bench_runs_every_mode_and_writes_its_outputs(tmp_path, 
               model=ModelConfig(n_layer=1, d_model=32, n_head=2, context=32),
               coordinator_env={"IDLETRAIN_LEASE_RATE": "0", "IDLETRAIN_UPLOAD_RATE": "0"}, command="test")
     assert {p.name for p in out.iterdir()} == {"results.json", "results.md", "utilisation.png"}
+    assert (res["values"], res["update_values"]) == ("int4", "int4")  # a run's defaults
     assert json.loads((out / "results.json").read_text())["modes"].keys() == {"off", "on", "ahead"}
     for name, mode in res["modes"].items():
         (sample,) = mode["samples"]
@@ -40,3 +41,15 @@ def test_the_utilisation_bench_runs_every_mode_and_writes_its_outputs(tmp_path, 
     md = (out / "results.md").read_text()
     assert "| off: overlap off" in md and "| ahead:" in md and "not computing" in md and "down / up" in md
     assert ("patched by the benchmark" in md) == patched and ("unpatched coordinator" in md) != patched
+
+
+def test_runs_are_compressed_as_a_run_by_default_or_as_asked():
+    from shared.config import RunConfig
+
+    model = ModelConfig(n_layer=1, d_model=32, n_head=2, context=32)
+    plain = RunConfig(**utilisation.run_config(name="a", steps=3, batch=2, model=model, shard_tokens=4096))
+    defaults = RunConfig(name="defaults")
+    assert plain.compression == defaults.compression and plain.update_values == defaults.update_values
+    asked = RunConfig(**utilisation.run_config(name="b", steps=3, batch=2, model=model, shard_tokens=4096,
+                                               values="int8", update_values="int8"))
+    assert (asked.compression.values, asked.compression.index, asked.update_values) == ("int8", "dense", "int8")
