@@ -124,7 +124,7 @@ class Coordinator:
                 raise Conflict(f"a run named {cfg.name!r} exists already; pick another name")
         try:
             corpus = load_corpus(cfg.corpus, max_bytes=cfg.corpus_max_bytes)
-            shards = cut_shards(corpus.train, cfg.shard_tokens)
+            shards = cut_shards(corpus.train, cfg.shard_tokens, shuffle_seed=cfg.seed if cfg.shuffle_shards else None)
         except ValueError as exc:
             raise Unprocessable(str(exc)) from None
         eval_used = min(corpus.eval.size, cfg.eval_tokens)  # what evaluation reads (RunRuntime.eval_tokens)

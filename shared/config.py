@@ -131,6 +131,8 @@ class RunConfig(_Strict):
     corpus: str = Field(BUILTIN, description=f"{BUILTIN!r}, or a text file/folder on the coordinator's disk")
     corpus_max_bytes: int = Field(16 << 20, ge=1 << 16, le=1 << 36)
     shard_tokens: int = Field(1 << 18, ge=1024, le=1 << 30, description="tokens per data shard")
+    shuffle_shards: bool = Field(True, description="number the shards (the order leases hand them out in) in an "
+                                                   "order shuffled by the run's seed; false: the corpus's own order")
     lease_ttl_s: float = Field(600.0, gt=0, le=7 * 86400, description="a lease expires after this")
     eval_every: int = Field(5, ge=1, description="evaluate the global model every N versions")
     eval_tokens: int = Field(1 << 17, ge=1024, description="held-out tokens used per evaluation")

@@ -81,14 +81,22 @@ def load_corpus(source: str = BUILTIN, *, max_bytes: int = 16 << 20) -> Corpus:
     return Corpus(train=train.copy(), eval=evals.copy(), n_files=len(keyed), source=source)
 
 
-def cut_shards(tokens: np.ndarray, shard_tokens: int) -> list[np.ndarray]:
-    """Consecutive, non-overlapping shards of exactly `shard_tokens`; the ragged tail is dropped."""
+def cut_shards(tokens: np.ndarray, shard_tokens: int, *, shuffle_seed: int | None = None) -> list[np.ndarray]:
+    """Non-overlapping shards of exactly `shard_tokens` (the ragged tail is dropped): consecutive
+    pieces of the corpus, or with shuffle_seed those pieces in an order that seed shuffles (the same
+    seed, the same order).
+
+    The coordinator hands shards out by index, so in the corpus's own order the workers of one
+    group would train neighbouring pieces together: one long file (a code-page table, a document
+    of prose in a corpus of code) spans several shards, and a group of deltas all from it pulls the
+    model one way, the next group back (which the direction screen can take for an attack)."""
     if shard_tokens < 2:
         raise ValueError("shard_tokens must be at least 2")
     n = tokens.size // shard_tokens
     if n == 0:
         raise ValueError(f"corpus of {tokens.size} tokens is smaller than one shard ({shard_tokens})")
-    return [tokens[i * shard_tokens:(i + 1) * shard_tokens] for i in range(n)]
+    order = range(n) if shuffle_seed is None else np.random.default_rng(shuffle_seed).permutation(n)
+    return [tokens[i * shard_tokens:(i + 1) * shard_tokens] for i in order]
 
 
 def sha256_hex(data: bytes | np.ndarray) -> str:

@@ -254,6 +254,27 @@ def test_shard(api, run):
     assert api.client.get(f"{API}/runs/t/shards/0").status_code == 401
 
 
+def _shard_shas(api, run: str, n: int) -> list[str]:
+    headers = api.register(run)
+    assert api.client.get(f"{API}/runs/{run}/shards/{n}", headers=headers).status_code == 404
+    return [api.client.get(f"{API}/runs/{run}/shards/{i}", headers=headers).headers[protocol.H_SHA256]
+            for i in range(n)]
+
+
+def test_shards_are_numbered_in_an_order_the_run_seed_shuffles(api, run_config, corpus_dir):
+    from shared.data import cut_shards, load_corpus
+
+    train = load_corpus(str(corpus_dir), max_bytes=1 << 18).train
+    pieces = [hashlib.sha256(p.tobytes()).hexdigest() for p in cut_shards(train, 4096)]
+    for name, extra in [("shuffled", {"seed": 3}), ("inorder", {"seed": 3, "shuffle_shards": False})]:
+        api.create_run(run_config(name, shard_tokens=4096, **extra))
+    shuffled, inorder = _shard_shas(api, "shuffled", len(pieces)), _shard_shas(api, "inorder", len(pieces))
+    assert inorder == pieces  # the corpus's own order
+    assert sorted(shuffled) == sorted(pieces) and shuffled != pieces
+    expected = [hashlib.sha256(p.tobytes()).hexdigest() for p in cut_shards(train, 4096, shuffle_seed=3)]
+    assert shuffled == expected  # the seed's order, the same on every coordinator
+
+
 # -- deltas -----------------------------------------------------------------------------------
 
 def test_upload_then_merge(api, run, train_delta):

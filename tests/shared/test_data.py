@@ -120,6 +120,21 @@ def test_cut_shards():
         cut_shards(tokens, 1)
 
 
+def test_cut_shards_shuffled_by_a_seed():
+    tokens = np.arange(10_000, dtype=np.uint16)
+    plain = cut_shards(tokens, 100)
+    shuffled = cut_shards(tokens, 100, shuffle_seed=7)
+    firsts = [int(s[0]) for s in shuffled]
+    assert sorted(firsts) == [int(s[0]) for s in plain]  # the same pieces, each whole
+    assert all(np.array_equal(s, tokens[s[0]:s[0] + 100]) for s in shuffled)
+    assert firsts != sorted(firsts)
+    assert [int(s[0]) for s in cut_shards(tokens, 100, shuffle_seed=7)] == firsts  # same seed, same order
+    assert [int(s[0]) for s in cut_shards(tokens, 100, shuffle_seed=8)] != firsts
+    # neighbours in the corpus rarely stay neighbours: adjacent indices hold far-apart pieces
+    gaps = np.abs(np.diff(firsts)) // 100
+    assert np.median(gaps) > 10
+
+
 def test_sample_batch():
     tokens = torch.arange(500) % 256
     x, y = sample_batch(tokens.to(torch.uint8), batch_size=7, context=16,
