@@ -263,6 +263,8 @@ def plot(results: list[dict], path: Path) -> None:
     ax.axhline(1.0, color="black", linewidth=1, label="ddp")
     ax.axhline(1.02, color="grey", linestyle="--", linewidth=1, label="ddp + 2%")
     ax.set_xscale("log")
+    sweep = sorted({r["H"] for r in results if r["regime"] == first and r["mode"] != "ddp"})
+    ax.set_xticks(sweep, [str(h) for h in sweep])
     ax.set_xlabel("H: local steps between averages")
     ax.set_ylabel("eval loss / ddp's")
     ax.set_title(f"averaging AdamW workers ({first})", fontsize=10)
