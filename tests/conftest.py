@@ -118,9 +118,17 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
     reason = _pg.get("reason")
+    if reason is None:  # under pytest-xdist the workers tried the server; their skips carry the reason
+        reason = next((_skip_reason(r) for r in terminalreporter.stats.get("skipped", [])
+                       if "PostgreSQL is not reachable" in _skip_reason(r)), None)
     if reason:
         terminalreporter.write_sep("!", "PostgreSQL tests SKIPPED", red=True, bold=True)
         terminalreporter.write_line(f"{reason}; start it (see .ci/run) to test the PostgreSQL backend", red=True)
+
+
+def _skip_reason(report) -> str:
+    longrepr = getattr(report, "longrepr", None)
+    return str(longrepr[2]) if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr or "")
 
 
 @pytest.fixture
