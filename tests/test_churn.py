@@ -144,15 +144,16 @@ def test_workers_killed_and_restarted_at_random_still_train_every_shard(tmp_path
                     return None
                 return None if s.scalar(select(DeltaRecord.id).where(DeltaRecord.lease_id == row.id)) else row.id
 
-        def mid_round_now(i: int) -> bool:
-            """Worker i has a round of its open lease checkpointed and no finished delta on disk:
-            it is training that round (or finishing it), and has not begun to upload it."""
+        def mid_round_now(i: int) -> int | None:
+            """Worker i's open lease if it has a round of it checkpointed and no finished delta on disk
+            (it is training that round, or finishing it, and has not begun to upload it), else None."""
             lease_id = open_lease(i)
             try:
                 rnd, unsent = _saved_on_disk(tmp_path / f"w{i}", url)
             except Exception:  # noqa: BLE001 -- a file replaced while read: look again later
-                return False
-            return lease_id is not None and rnd is not None and rnd[0] == lease_id and unsent is None
+                return None
+            ok = lease_id is not None and rnd is not None and rnd[0] == lease_id and unsent is None
+            return lease_id if ok else None
 
         def try_kill(i: int) -> int | None:
             """Kill worker i if it is where its plan wants it; returns its open lease at the kill (read
@@ -162,7 +163,8 @@ def test_workers_killed_and_restarted_at_random_still_train_every_shard(tmp_path
             proc.send_signal(signal.SIGSTOP)  # frozen: what is checked now still holds at the kill
             lease_id = None
             try:
-                lease_id = open_lease(i) if i not in mid_round or mid_round_now(i) else None
+                # one read of the open lease: a second could already see the lease asked for ahead
+                lease_id = mid_round_now(i) if i in mid_round else open_lease(i)
             finally:
                 if lease_id is None:
                     proc.send_signal(signal.SIGCONT)
