@@ -11,7 +11,7 @@ from idletrain import cli
 from idletrain.demo import free_port
 
 SUBCOMMANDS = [[], ["coordinator"], ["coordinator", "serve"], ["coordinator", "migrate"], ["run"], ["run", "create"],
-               ["worker"], ["bench", "convergence"], ["bench", "merge"], ["bench", "load"],
+               ["worker"], ["bench", "convergence"], ["bench", "averaging"], ["bench", "merge"], ["bench", "load"],
                ["worker", "run"], ["status"], ["demo"], ["run", "list"], ["run", "show"], ["run", "pause"],
                ["run", "resume"], ["worker", "list"], ["worker", "revoke"], ["worker", "readmit"], ["export"],
                ["sample"]]
