@@ -63,6 +63,7 @@ def summarise(status: dict) -> dict:
     return {
         "tokens_trained": status["tokens_trained"],
         "merged_deltas": status["merged_deltas"],
+        "rejected_deltas": status["rejected_deltas"],
         "eval_loss_first": hist[0]["loss"] if hist else None,
         "eval_loss_last": hist[-1]["loss"] if hist else None,
         "bytes_up": status["bytes_up"],

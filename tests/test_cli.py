@@ -185,3 +185,13 @@ def test_serve_refuses_what_it_cannot_do(tmp_path, capsys, monkeypatch, extra, w
     monkeypatch.delenv("IDLETRAIN_DATABASE_URL", raising=False)
     assert cli.main(["coordinator", "serve", "--data-dir", str(tmp_path / "d"), *extra]) == 2
     assert words in capsys.readouterr().err
+
+
+def test_the_demo_summary_says_how_many_deltas_were_merged_and_rejected():
+    from idletrain.demo import summarise
+
+    status = {"eval_history": [{"loss": 5.4}, {"loss": 2.2}], "tokens_trained": 1000, "merged_deltas": 27,
+              "rejected_deltas": 2, "bytes_up": 10, "bytes_down": 20, "traffic_ratio_vs_dense": 300.0}
+    summary = summarise(status)
+    assert (summary["merged_deltas"], summary["rejected_deltas"]) == (27, 2)
+    assert (summary["eval_loss_first"], summary["eval_loss_last"]) == (5.4, 2.2)
