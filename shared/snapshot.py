@@ -159,22 +159,35 @@ def max_snapshot_bytes(schema: Mapping[str, tuple[int, ...]]) -> int:
     return 4 * numel + 64 * 1024 + 256 * len(schema)
 
 
+def _decompress(buf: bytes, cap: int) -> bytes:
+    """The one zstd frame of `buf`, at most `cap` bytes of it, its end mark and checksum checked."""
+    declared = zstandard.get_frame_parameters(buf).content_size
+    if declared not in (zstandard.CONTENTSIZE_UNKNOWN, zstandard.CONTENTSIZE_ERROR):
+        # what encode_snapshot writes: the frame says its size, so it is checked against the cap
+        # before anything is allocated, and one pass decompresses it into that size and refuses a
+        # frame that ends early, holds another size or fails its checksum
+        if declared > cap:
+            raise SnapshotError(f"snapshot declares {declared} bytes, past the cap of {cap} bytes")
+        return zstandard.ZstdDecompressor().decompress(buf)
+    # a frame that does not say its size: a bounded read, which stops quietly at the end of its
+    # input even mid-frame, then a second pass, now known to be bounded, insists on the frame's end
+    raw = zstandard.ZstdDecompressor().stream_reader(buf, read_across_frames=False).read(cap + 1)
+    if len(raw) > cap:
+        raise SnapshotError(f"snapshot decompresses past the cap of {cap} bytes")
+    dobj = zstandard.ZstdDecompressor().decompressobj()
+    dobj.decompress(buf)
+    if not dobj.eof:
+        raise SnapshotError("snapshot is truncated: its zstd frame ends early")
+    return raw
+
+
 def decode_snapshot(buf: bytes, *, schema: Mapping[str, tuple[int, ...]] | None = None,
                     max_raw_bytes: int | None = None) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """-> (params, metadata). With a schema, names and shapes must match it exactly."""
     cap = max_raw_bytes if max_raw_bytes is not None else (
         max_snapshot_bytes(schema) if schema is not None else 1 << 34)
     try:
-        reader = zstandard.ZstdDecompressor().stream_reader(buf, read_across_frames=False)
-        raw = reader.read(cap + 1)
-        if len(raw) > cap:
-            raise SnapshotError(f"snapshot decompresses past the cap of {cap} bytes")
-        # The reader stops quietly at the end of its input, even mid-frame; a second pass, now
-        # known to be bounded, insists on the frame's end mark and checksum.
-        dobj = zstandard.ZstdDecompressor().decompressobj()
-        dobj.decompress(buf)
-        if not dobj.eof:
-            raise SnapshotError("snapshot is truncated: its zstd frame ends early")
+        raw = _decompress(buf, cap)
     except zstandard.ZstdError as exc:
         raise SnapshotError(f"snapshot is not a valid zstd frame: {exc}") from None
     try:

@@ -117,6 +117,24 @@ def test_refuses_corrupt_frame():
         decode_snapshot(bytes(buf[: len(buf) // 2]), schema=SCHEMA)
 
 
+def test_refuses_a_frame_whose_checksum_is_wrong():
+    buf = bytearray(encode_snapshot(params()))
+    buf[-1] ^= 0xFF  # the last byte of the frame's content checksum
+    with pytest.raises(SnapshotError, match="not a valid zstd frame"):
+        decode_snapshot(bytes(buf), schema=SCHEMA)
+
+
+def test_unsized_frames_decode_as_sized_ones_do():
+    p = params()
+    raw = zstandard.ZstdDecompressor().decompress(encode_snapshot(p))
+    unsized = zstandard.ZstdCompressor(write_content_size=False, write_checksum=True).compress(raw)
+    assert zstandard.get_frame_parameters(unsized).content_size == zstandard.CONTENTSIZE_UNKNOWN
+    got, _ = decode_snapshot(unsized, schema=SCHEMA)
+    assert all(torch.equal(got[n], p[n]) for n in SCHEMA)
+    with pytest.raises(SnapshotError, match="truncated"):
+        decode_snapshot(unsized[: len(unsized) - 3], schema=SCHEMA)
+
+
 def test_size_cap():
     buf = encode_snapshot(params())
     raw_size = len(zstandard.ZstdDecompressor().decompress(buf))
@@ -128,6 +146,10 @@ def test_size_cap():
     assert len(bomb) < 64 << 10
     with pytest.raises(SnapshotError, match=f"past the cap of {max_snapshot_bytes(SCHEMA)} bytes"):
         decode_snapshot(bomb, schema=SCHEMA)
+    # a sized bomb is refused by what its frame declares, before anything is decompressed
+    sized = zstandard.ZstdCompressor().compress(bytes(64 << 20))
+    with pytest.raises(SnapshotError, match=f"declares {64 << 20} bytes, past the cap of {max_snapshot_bytes(SCHEMA)}"):
+        decode_snapshot(sized, schema=SCHEMA)
 
 
 def test_max_snapshot_bytes_fits_real_snapshots():
