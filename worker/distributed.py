@@ -54,6 +54,7 @@ from worker.trainer import LocalTrainer, pick_device
 log = logging.getLogger(__name__)
 
 CONTROL_TIMEOUT = datetime.timedelta(days=365)  # followers wait as long as rank 0 pauses or waits
+STOP_TIMEOUT = datetime.timedelta(seconds=60)  # at the end, how long the ranks wait for each other to leave
 _GO, _ABORT = 1, 0
 
 
@@ -248,11 +249,18 @@ class Session:
         if self.leader and not self.broken:
             try:
                 self._send_json({"op": "stop"})
+                self._leave_together()
             except Exception as exc:  # noqa: BLE001 -- the followers are gone already
                 log.warning("could not tell the other processes to stop (%s)", exc)
                 self.broken = True
         if not self.broken and dist.is_initialized():
             dist.destroy_process_group()
+
+    def _leave_together(self) -> None:
+        """Every rank past the last message before any leaves the group: rank 0 destroying its
+        groups while a follower still received the stop left gloo's threads mid-transfer, and at
+        exit the process aborted ('terminate called without an active exception', exit -6)."""
+        dist.monitored_barrier(group=self.control, timeout=STOP_TIMEOUT)
 
     # -- the other ranks --------------------------------------------------------------------------
 
@@ -289,6 +297,7 @@ class Session:
             raise RuntimeError(f"rank {self.rank} of this worker stops: {exc}") from exc
         log.info("rank %d: rank 0 stopped after %d rounds trained together", self.rank, self.rounds)
         self.closed = True
+        self._leave_together()
         dist.destroy_process_group()
         return self.rounds
 
