@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from bench.convergence import PROFILES as CONVERGENCE_PROFILES
 from shared.algorithms.inner import scheduled_lr
 from shared.config import InnerConfig
 from shared.data import load_corpus, sample_batch
@@ -155,7 +156,8 @@ def eval_loss(regime: Regime, flat: torch.Tensor, tokens: torch.Tensor) -> float
     return evaluate_loss(model, tokens, context=regime.model.context)
 
 
-QUICK_MODEL = ModelConfig(n_layer=2, n_head=4, d_model=64, context=64)  # bench convergence's quick model
+QUICK = CONVERGENCE_PROFILES["quick"]  # the convergence benchmark's quick setup: model, steps, lr, corpus
+PROFILES = ("quick", "full")
 H_SWEEP = (1, 2, 5, 10, 40)
 FULL_SEEDS = (0, 1, 2)
 
@@ -165,26 +167,28 @@ def rows_for(profile: str, *, workers: int = 8) -> list[Row]:
     worker), one seed; full: the sweep with three seeds (each its own init and batches: a single
     run's loss moves by about 1% with float rounding alone), then ddp, average 1 and average 40 at 4x
     the steps and at 4x the batch."""
-    if profile not in ("quick", "full"):
-        raise ValueError(f"unknown profile {profile!r}: pick quick or full")
-    inner = InnerConfig(lr=3e-3, warmup_steps=20)
-    base = Regime("160 steps x 16 sequences per worker", QUICK_MODEL, inner, workers, steps=160)
+    if profile not in PROFILES:
+        raise ValueError(f"unknown profile {profile!r}: pick {' or '.join(PROFILES)}")
+    inner = InnerConfig(lr=QUICK.lr, warmup_steps=QUICK.warmup_steps)
+    base = Regime(f"{QUICK.steps_per_worker} steps x {inner.batch_size} sequences per worker", QUICK.model, inner,
+                  workers, steps=QUICK.steps_per_worker)
     rows = []
     for seed in (FULL_SEEDS if profile == "full" else (0,)):
         regime = dataclasses.replace(base, seed=seed)
         rows += [Row(regime, "ddp")] + [Row(regime, mode, h) for mode in MODES[1:] for h in H_SWEEP]
     if profile == "full":
-        longer = dataclasses.replace(base, name="640 steps x 16 sequences per worker", steps=640)
-        wider = dataclasses.replace(base, name="160 steps x 64 sequences per worker",
-                                    inner=inner.model_copy(update={"batch_size": 64}))
+        longer = dataclasses.replace(base, name=f"{4 * base.steps} steps x {inner.batch_size} sequences per worker",
+                                     steps=4 * base.steps)
+        wider = dataclasses.replace(base, name=f"{base.steps} steps x {4 * inner.batch_size} sequences per worker",
+                                    inner=inner.model_copy(update={"batch_size": 4 * inner.batch_size}))
         for regime in (longer, wider):
             rows += [Row(regime, "ddp"), Row(regime, "average", 1), Row(regime, "average", 40)]
     return rows
 
 
 def run(*, profile: str = "quick", out: Path = Path("bench-results/averaging"), workers: int = 8,
-        threads: int | None = 1, rows: list[Row] | None = None, corpus_max_bytes: int = 4 << 20,
-        eval_tokens: int = 1 << 15) -> list[dict]:
+        threads: int | None = 1, rows: list[Row] | None = None, corpus_max_bytes: int = QUICK.corpus_max_bytes,
+        eval_tokens: int = QUICK.eval_tokens) -> list[dict]:
     if threads:
         torch.set_num_threads(threads)
     rows = rows_for(profile, workers=workers) if rows is None else rows
@@ -209,7 +213,7 @@ def run(*, profile: str = "quick", out: Path = Path("bench-results/averaging"), 
         log.info("%s, seed %d, %s: eval loss %.4f (%.0f s)", row.regime.name, row.regime.seed, row.name, loss,
                  results[-1]["wall_s"])
     meta = {"profile": profile, "workers": workers, "torch_threads": torch.get_num_threads(),
-            "total_wall_s": round(time.perf_counter() - t0, 1), "model": dataclasses.asdict(QUICK_MODEL)}
+            "total_wall_s": round(time.perf_counter() - t0, 1), "model": dataclasses.asdict(QUICK.model)}
     (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
     (out / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
     write_markdown(results, out / "results.md", workers=workers)
@@ -252,9 +256,10 @@ def plot(results: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     first = results[0]["regime"]
+    lines = summarise(results)
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for mode in MODES[1:]:
-        pts = sorted((r["H"], r["ratio"], r["ratio_min"], r["ratio_max"]) for r in summarise(results)
+        pts = sorted((r["H"], r["ratio"], r["ratio_min"], r["ratio_max"]) for r in lines
                      if r["regime"] == first and r["mode"] == mode)
         if pts:
             h, mean, lo, hi = zip(*pts)

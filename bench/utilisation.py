@@ -276,11 +276,12 @@ def run(*, out: Path, rounds: int = 16, repeats: int = 2, steps: int = 20, batch
     good = [s for ss in samples.values() for s in ss if "error" not in s]
     if good:
         delta_bytes = statistics.median(s["bytes_sent"] / s["rounds"] for s in good)
+    example = config("x")  # what every run of this measurement was created with, but its name
     result = {
         "command": command, "goal": GOAL, "rounds": rounds, "repeats": repeats, "steps": steps, "batch": batch,
         "model": dataclasses.asdict(model), "n_params": model.n_params(), "upload_kbps": upload_kbps,
-        "threads": threads, "sent_per_round_bytes": delta_bytes, "robust": config("x")["robust"],
-        "values": config("x")["compression"]["values"], "update_values": config("x")["update_values"],
+        "threads": threads, "sent_per_round_bytes": delta_bytes, "robust": example["robust"],
+        "values": example["compression"]["values"], "update_values": example["update_values"],
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
                     "python": platform.python_version()},
         "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t_start)),

@@ -483,10 +483,10 @@ def cmd_bench_convergence(args: argparse.Namespace) -> int:
 def cmd_bench_averaging(args: argparse.Namespace) -> int:
     if not _can_plot():
         return _fail("the benchmark plots with matplotlib: pip install 'idletrain[bench]'")
-    from bench.averaging import run
+    from bench.averaging import PROFILES, run
 
-    if args.profile not in ("quick", "full"):
-        return _fail(f"unknown profile {args.profile!r}: pick quick or full")
+    if args.profile not in PROFILES:
+        return _fail(f"unknown profile {args.profile!r}: pick {' or '.join(PROFILES)}")
     if args.workers < 2:
         return _fail("--workers must be at least 2")
     if args.threads is not None and args.threads < 1:
@@ -728,8 +728,8 @@ def build_parser() -> argparse.ArgumentParser:
     conv.set_defaults(func=cmd_bench_convergence)
     avg = bench.add_parser("averaging", help="where averaging AdamW workers loses against ddp: workers in "
                                              "lock-step against oracles only every-step communication could know")
-    avg.add_argument("--profile", default="quick", help="quick (the H sweep, ~10 min on 2 cores) or full (also 4x "
-                                                        "the steps and 4x the batch, ~25 min)")
+    avg.add_argument("--profile", default="quick", help="quick (the H sweep, one seed: ~9 min on one core) or full "
+                                                        "(three seeds, 4x the steps, 4x the batch: ~42 min)")
     avg.add_argument("--out", default=None, help="output folder (default bench-results/averaging-PROFILE)")
     avg.add_argument("--workers", type=int, default=8)
     avg.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
