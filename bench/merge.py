@@ -19,6 +19,9 @@ One process, one run, so every ratio compares numbers taken side by side on the 
     (g) coordinator/merger.py Merger.step with its database transaction on SQLite (a small model
         by default), to show what each merge's bookkeeping costs
 
+(b2) and the replay path of (f) are also timed without the compiled kernels (shared/kernels.py,
+as IDLETRAIN_NUMBA=0 runs), interleaved with the rows that use them, so their gain is side by side.
+
 Deltas are real: values pass through the int8 codec and the envelope, index kind "random" (seeded:
 only a seed travels; built by shared/algorithms/compress.py) and "topk" (packed indices; uniformly
 random index sets, which is what top-k of an i.i.d. pseudo-gradient selects, built without a
@@ -41,7 +44,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from shared import codec
+from shared import codec, kernels
 from shared.algorithms import robust
 from shared.algorithms.compress import compress, k_for, quantised, tensor_seed
 from shared.algorithms.outer import FlatOuter, OuterState, _momentum_step, apply_delta
@@ -66,6 +69,7 @@ GROUPS = (1, 4, 8, 64)
 NO_MOMENTUM = OuterConfig(group=100_000)  # apply_delta never reaches its momentum step
 BATCH = 16  # deltas per RunRuntime.merge_batch call
 DELTA_SCALE = 1e-2  # std of the synthetic pseudo-gradient: far inside robust merging's bounds
+_KERNEL_NOTE = "" if kernels.HAVE_NUMBA else " (numba not installed: numpy/torch paths)"
 
 
 # -- timing ------------------------------------------------------------------------------------
@@ -360,7 +364,7 @@ def _run(mcfg: ModelConfig, *, model_name: str, fraction: float, n: int, out: Pa
         stages += merger_stages(dcfg, name=db_name, n=db_deltas, fraction=fraction, seed=seed)
 
     rows = [s.row(bound_ms) for s in stages]
-    replay = {r["index"]: r for r in rows if r["stage"].startswith("(f) RunRuntime.merge, replay")}
+    replay = {r["index"]: r for r in rows if r["stage"].startswith("(f) RunRuntime.merge, replay (")}
     # merge_batch as the coordinator would call it: its default, no helper thread
     batch = {r["index"]: r for r in rows
              if r["stage"].startswith("(f) RunRuntime.merge_batch") and r["stage"].endswith("no helper thread")}
@@ -444,7 +448,11 @@ def flat_stages(state: OuterState, schema: dict[str, tuple[int, ...]], kind: str
     """(b2)-(d2): the coordinator's flat path, piece by piece, on the same deltas and momentum."""
     flat = FlatOuter.from_state(state, schema)  # a copy: the weights and the dense momentum as they stand
     fdec: list[codec.FlatDelta] = []
-    t_dec = time_each(lambda b: fdec.append(codec.decode_flat(b, schema=schema, offsets=flat.offsets)), kind_blobs)
+    t_dec, t_dec_np = [], []
+    for b in kind_blobs:  # with the compiled kernels and without them, blob after blob
+        t_dec += time_calls(lambda: fdec.append(codec.decode_flat(b, schema=schema, offsets=flat.offsets)), 1)
+        with kernels.disabled():
+            t_dec_np += time_calls(lambda: codec.decode_flat(b, schema=schema, offsets=flat.offsets), 1)
     history = [robust.flat_delta_stats(d, None)[0] for d in fdec[: rcfg.window]]
     verdicts: list[robust.Verdict] = []
 
@@ -456,7 +464,9 @@ def flat_stages(state: OuterState, schema: dict[str, tuple[int, ...]], kind: str
     cfg = run_cfg.outer
     t_apply = time_each(lambda d: flat.apply(d, weight=1.0, cfg=cfg), fdec)
     out = [Stage("(b2) codec.decode_flat (the coordinator's path)", kind, t_dec,
-                 note="every tensor's indices in one pass, global indices"),
+                 note="every tensor's indices in one pass, global indices" + _KERNEL_NOTE),
+           Stage("(b2) codec.decode_flat, numpy only (IDLETRAIN_NUMBA=0)", kind, t_dec_np,
+                 note="the same deltas, each decoded right after the row above"),
            Stage("(c2) robust.flat_delta_stats + decide", kind, t_screen,
                  note=f"one gather of the momentum; {sum(v.merged for v in verdicts)}/{len(verdicts)} pass"),
            Stage(f"(d2) FlatOuter.apply, group {cfg.group}, momentum {cfg.momentum:g}", kind, t_apply,
@@ -476,7 +486,11 @@ def runtime_stages(params: dict[str, torch.Tensor], blobs: dict[str, list[bytes]
     with tempfile.TemporaryDirectory(prefix="idletrain-merge-bench-") as tmp:
         storage = Storage(Path(tmp) / "data")
         rt = RunRuntime(run_id=1, config=run_cfg, storage=storage, state=OuterState.fresh(params), version=0)
-        todo = [(kind, blob) for kind in kinds for blob in blobs[kind]]
+        # the replay path with the compiled kernels and without them, in alternating chunks of 5 groups
+        # (the folds fall in both alike), stored in the order they are merged
+        chunk = 5 * run_cfg.outer.group
+        todo = [(name, blob) for kind in kinds for i in range(0, len(blobs[kind]), chunk)
+                for name in (kind, f"numpy-{kind}") for blob in blobs[kind][i:i + chunk]]
         todo += [(f"batch-{kind}-{ahead}", blob) for kind in kinds for ahead in (True, False) for blob in blobs[kind]]
         todo += [("live", blob) for blob in blobs[kinds[0]][:snapshot_merges]]
         seqs: dict[str, list[int]] = {kind: [] for kind, _ in todo}
@@ -487,13 +501,24 @@ def runtime_stages(params: dict[str, torch.Tensor], blobs: dict[str, list[bytes]
             seqs[kind].append(seq)
         for kind in kinds:
             outcomes: list = []
-            t_rt = time_each(lambda s: outcomes.append(rt.merge(seq=s, base_version=s - 1, write_snapshot=False)),
-                             seqs[kind])
+            outcomes_np: list = []
+            t_rt: list[float] = []
+            t_np: list[float] = []
+            for i in range(0, len(seqs[kind]), chunk):
+                t_rt += time_each(lambda s: outcomes.append(rt.merge(seq=s, base_version=s - 1, write_snapshot=False)),
+                                  seqs[kind][i:i + chunk])
+                with kernels.disabled():
+                    t_np += time_each(lambda s: outcomes_np.append(rt.merge(seq=s, base_version=s - 1,
+                                                                            write_snapshot=False)),
+                                      seqs[f"numpy-{kind}"][i:i + chunk])
             merged = sum(o.merged for o in outcomes)
             stages.append(Stage(f"(f) RunRuntime.merge, replay (write_snapshot=False, group "
                                 f"{run_cfg.outer.group})", kind, t_rt,
                                 note=f"read file + decode + screen + apply + momentum; {merged}/{len(outcomes)} "
-                                     "merged"))
+                                     "merged" + _KERNEL_NOTE))
+            stages.append(Stage("(f) RunRuntime.merge, replay, numpy/torch only (IDLETRAIN_NUMBA=0)", kind, t_np,
+                                note=f"chunks of {chunk} alternating with the row above; "
+                                     f"{sum(o.merged for o in outcomes_np)}/{len(outcomes_np)} merged"))
             meta_kinds[kind]["runtime_merged"] = merged
         for kind in kinds:
             for ahead in (True, False):

@@ -34,6 +34,7 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
+from shared import kernels
 from shared.codec import Delta, FlatDelta
 from shared.config import OuterConfig
 
@@ -394,9 +395,17 @@ class FlatOuter:
                 self._dense_step(cfg)
                 return
         c_t = (self.carry if cfg.nesterov else c_new) / (group * s_new)
-        self._scatter(self.m, [1.0 / (group * s_new)] * len(self.pending))
-        # T: C D for every pending delta, plus the deferred -share w g of those not yet in T
-        self._scatter(self.t, [c_t if i < self.applied else c_t - self.share for i in range(len(self.pending))])
+        # M += D, and T += C D for every pending delta plus the deferred -share w g of those not yet
+        # in T: both writes of a sparse delta in one compiled pass (kernels.scatter_pair), the same
+        # float32 arithmetic as the two index_add_ runs of _scatter
+        alpha_m = 1.0 / (group * s_new)
+        alphas_t = [c_t if i < self.applied else c_t - self.share for i in range(len(self.pending))]
+        if kernels.HAVE_NUMBA and all(idx is not None for idx, _, _ in self.pending) and 0.0 not in alphas_t:
+            for (idx, _, vals), a_t in zip(self.pending, alphas_t):
+                kernels.scatter_pair(self.t, self.m, idx, vals, a_t, alpha_m)
+        else:
+            self._scatter(self.m, [alpha_m] * len(self.pending))
+            self._scatter(self.t, alphas_t)
         for (off, numel), run in self.dense_acc.items():  # their share is in T already: C D only
             self.m[off:off + numel].add_(run, alpha=1.0 / (group * s_new))
             if c_t:
