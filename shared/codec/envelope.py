@@ -28,6 +28,7 @@ from collections.abc import Mapping
 import numpy as np
 import zstandard
 
+from shared import kernels
 from shared.codec.indices import INDEX_CODECS, IndexKind, _bits_for, seeded_indices_many
 from shared.codec.values import BLOCK, VALUE_CODECS, ValueKind
 from shared.errors import DeltaFormatError, DeltaMismatchError
@@ -363,6 +364,16 @@ def _unpack_many(raw: memoryview, packed: list[tuple]) -> np.ndarray:
     PackedIndices.decode checks them: in range, strictly increasing."""
     if not packed:
         return np.zeros(0, dtype=np.int64)
+    if kernels.HAVE_NUMBA:
+        out, status, at = kernels.unpack_packed(raw, [item[2][0] for item in packed], [item[2][1] for item in packed],
+                                                [item[4] for item in packed], [item[3] for item in packed],
+                                                [item[0] for item in packed])
+        if status == 1:
+            e = int(np.searchsorted(np.cumsum([item[4] for item in packed]), at, side="right"))
+            raise DeltaMismatchError(f"index {int(out[at]) - packed[e][0]} out of range for numel {packed[e][3]}")
+        if status == 2:
+            raise DeltaMismatchError("indices must be strictly increasing (sorted, no duplicates)")
+        return out
     ks = np.asarray([item[4] for item in packed], dtype=np.int64)
     widths = np.asarray([item[2][1] for item in packed], dtype=np.int64)
     starts = np.asarray([item[2][0] for item in packed], dtype=np.int64)  # byte where each entry's bits begin

@@ -78,11 +78,14 @@ def _seeded_indices_numpy(seed: int, numel: int, k: int) -> np.ndarray:
 
 def seeded_indices_many(seeds, numels, ks, offsets=None) -> np.ndarray:
     """Many `seeded_indices` at once: the concatenation, in the order given, of
-    offsets[i] + seeded_indices(seeds[i], numels[i], ks[i]) (int64).
+    offsets[i] + seeded_indices(seeds[i], numels[i], ks[i]) (int64). offsets=None: local indices.
 
-    The sparse tensors (4k <= numel) in one compiled call where numba is installed, the rest
-    (dense draws, k == numel) one by one. offsets=None: local indices (offset 0 each).
+    The sparse tensors (4k <= numel) in one compiled call where numba is installed
+    (`kernels.first_distinct_sorted`), the rest (dense draws, k == numel) one by one; without numba,
+    one vectorised numpy pass (`_seeded_indices_many_numpy`). The same values either way.
     """
+    if not kernels.HAVE_NUMBA:
+        return _seeded_indices_many_numpy(seeds, numels, ks, offsets)
     seeds = [int(x) & 0xFFFFFFFFFFFFFFFF for x in seeds]
     numels = np.asarray(numels, dtype=np.int64).reshape(-1)
     ks = np.asarray(ks, dtype=np.int64).reshape(-1)
@@ -90,17 +93,10 @@ def seeded_indices_many(seeds, numels, ks, offsets=None) -> np.ndarray:
     if not numels.size == ks.size == e:
         raise ValueError("seeds, numels and ks must have the same length")
     offs = np.zeros(e, dtype=np.int64) if offsets is None else np.asarray(offsets, dtype=np.int64).reshape(-1)
-    if offs.size != e:
-        raise ValueError("offsets must have one entry per seed")
     if np.any(ks < 0) or np.any(ks > numels):
         bad = int(np.argmax((ks < 0) | (ks > numels)))
         raise ValueError(f"k={int(ks[bad])} must be within [0, numel={int(numels[bad])}]")
-    if e == 0:
-        return np.zeros(0, dtype=np.int64)
     sparse = (ks > 0) & (4 * ks <= numels)
-    if not kernels.HAVE_NUMBA or not sparse.any():
-        return np.concatenate([_seeded_indices_numpy(seeds[i], int(numels[i]), int(ks[i])) + offs[i]
-                               for i in range(e)]).astype(np.int64, copy=False)
     fi = np.flatnonzero(sparse)
     drawn = kernels.first_distinct_sorted([seeds[i] for i in fi], numels[fi], ks[fi], offs[fi])
     if fi.size == e:
@@ -113,6 +109,91 @@ def seeded_indices_many(seeds, numels, ks, offsets=None) -> np.ndarray:
             j += 1
         else:
             pieces.append(_seeded_indices_numpy(seeds[i], int(numels[i]), int(ks[i])) + offs[i])
+    return np.concatenate(pieces).astype(np.int64, copy=False) if pieces else np.zeros(0, dtype=np.int64)
+
+
+def _seeded_indices_many_numpy(seeds, numels, ks, offsets=None) -> np.ndarray:
+    """`seeded_indices_many` in numpy alone, vectorised over every tensor: one stream computation
+    and one sort for all of them instead of an np.unique and two sorts per tensor. Tensors outside
+    the vectorised case (dense draws, k == numel, too few distinct draws, keys too wide) fall back
+    to `_seeded_indices_numpy` one by one."""
+    seeds = [int(x) & 0xFFFFFFFFFFFFFFFF for x in seeds]
+    numels = np.asarray(numels, dtype=np.int64).reshape(-1)
+    ks = np.asarray(ks, dtype=np.int64).reshape(-1)
+    e = len(seeds)
+    if not numels.size == ks.size == e:
+        raise ValueError("seeds, numels and ks must have the same length")
+    offs = np.zeros(e, dtype=np.int64) if offsets is None else np.asarray(offsets, dtype=np.int64).reshape(-1)
+    if np.any(ks < 0) or np.any(ks > numels):
+        bad = int(np.argmax((ks < 0) | (ks > numels)))
+        raise ValueError(f"k={int(ks[bad])} must be within [0, numel={int(numels[bad])}]")
+    pieces: list[np.ndarray | None] = [None] * e
+    fast = (ks > 0) & (4 * ks <= numels)
+    for i in np.flatnonzero(~fast):
+        pieces[i] = _seeded_indices_numpy(seeds[i], int(numels[i]), int(ks[i])) + offs[i]
+    fi = np.flatnonzero(fast)
+    if fi.size:
+        # Work in a private layout (cumulative numels) so the ranges are disjoint and ascending.
+        f_numel, f_k = numels[fi], ks[fi]
+        base = np.concatenate(([0], np.cumsum(f_numel)[:-1]))
+        # Draws to make: k plus a margin for the repeats expected among them (~k^2 / 2 numel); a tensor
+        # that gets fewer than k distinct values falls back to seeded_indices, which draws more.
+        draws = f_k + 16 + (f_k * (f_k + f_k // 8)) // f_numel
+        total = int(draws.sum())
+        pos_bits = max(1, total.bit_length())
+        span = int(base[-1] + f_numel[-1])
+        if span.bit_length() + pos_bits > 63:  # keys would not fit: one by one
+            for i in fi:
+                pieces[i] = _seeded_indices_numpy(seeds[i], int(numels[i]), int(ks[i])) + offs[i]
+        else:
+            starts = np.concatenate(([0], np.cumsum(draws)[:-1]))
+            pos = np.arange(total, dtype=np.uint64)
+            with np.errstate(over="ignore"):
+                z = pos - np.repeat((starts - 1).astype(np.uint64), draws)  # j = 1, 2, ... per tensor
+                z *= _GAMMA
+                z += np.repeat(np.asarray([seeds[i] for i in fi], dtype=np.uint64), draws)
+                z ^= z >> np.uint64(30)
+                z *= _M1
+                z ^= z >> np.uint64(27)
+                z *= _M2
+                z ^= z >> np.uint64(31)
+                z %= np.repeat(f_numel.astype(np.uint64), draws)
+                z += np.repeat(base.astype(np.uint64), draws)
+                z <<= np.uint64(pos_bits)
+                z |= pos
+                z.sort()  # by value, then by draw position
+            keys = z.view(np.int64)
+            val = keys >> np.int64(pos_bits)
+            p_sorted = keys & np.int64((1 << pos_bits) - 1)
+            first = np.empty(total, dtype=bool)  # the earliest draw of each value (ties sort by position)
+            first[0] = True
+            np.not_equal(val[1:], val[:-1], out=first[1:])  # ranges are disjoint: repeats are within one tensor
+            # A tensor keeps its first k distinct draws: those before the position `cutoff` where the k-th
+            # distinct draw ends. Repeats are few (~k^2 / 2 numel per tensor), so the cutoff moves past
+            # them tensor by tensor: the least c with c = start + k + (repeats drawn before c).
+            later = np.sort(p_sorted[~first])  # positions of draws that repeat an earlier one
+            cutoff = starts + f_k
+            n_later = np.zeros(fi.size, dtype=np.int64)
+            if later.size:
+                owner = np.searchsorted(starts, later, side="right") - 1
+                n_later = np.bincount(owner, minlength=fi.size)
+                for t in np.flatnonzero(n_later):
+                    mine = later[owner == t]
+                    c = int(cutoff[t])
+                    while (moved := int(starts[t] + f_k[t] + np.searchsorted(mine, c))) != c:
+                        c = moved
+                    cutoff[t] = c
+            got = draws - n_later  # distinct draws per tensor
+            kept = val[first & (p_sorted < np.repeat(cutoff, draws))]  # ascending; segment by segment
+            counts = np.minimum(got, f_k)
+            bounds = np.concatenate(([0], np.cumsum(counts)))
+            for t, i in enumerate(fi):
+                if got[t] < f_k[t]:  # too few distinct draws: the reference draws more
+                    pieces[i] = _seeded_indices_numpy(seeds[i], int(numels[i]), int(ks[i])) + offs[i]
+                else:
+                    pieces[i] = kept[bounds[t]:bounds[t + 1]] - (base[t] - offs[i])
+    if not pieces:
+        return np.zeros(0, dtype=np.int64)
     return np.concatenate(pieces).astype(np.int64, copy=False)
 
 

@@ -6,6 +6,7 @@ Malformed inputs are built by hand from the documented layout (struct + zstandar
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 import struct
@@ -17,6 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
+from shared import kernels
 from shared.codec import (
     BLOCK, FORMAT_VERSION, MAGIC, Delta, DeltaSummary, Entry, FlatDelta, IndexKind, ValueKind, check_flat, decode,
     decode_flat, encode, flat_offsets, max_body_bytes, seeded_indices, seeded_indices_many, splitmix64,
@@ -745,7 +747,20 @@ def test_decode_flat_refuses_what_decode_refuses_near_valid(buf):
 def assert_decoders_agree(buf: bytes) -> None:
     """decode_flat refuses what decode refuses (with several faults, it may name another first), and
     otherwise returns the same delta, flat; check_flat refuses exactly what decode_flat does, with the
-    same error, and otherwise returns its summary."""
+    same error, and otherwise returns its summary. decode_flat without the compiled kernels
+    (shared/kernels.py) answers exactly as with them: the same delta, or the same error."""
+    answers = []
+    for plain in (False, True):
+        with kernels.disabled() if plain else contextlib.nullcontext():
+            try:
+                answers.append(decode_flat(buf, schema=SCHEMA))
+            except DeltaFormatError as exc:
+                answers.append((type(exc), str(exc)))
+    if isinstance(answers[0], FlatDelta) and isinstance(answers[1], FlatDelta):
+        np.testing.assert_array_equal(answers[0].indices, answers[1].indices)
+        np.testing.assert_array_equal(answers[0].values, answers[1].values)
+    else:
+        assert answers[0] == answers[1]
     try:
         d = decode(buf, schema=SCHEMA)
     except DeltaFormatError:
