@@ -496,8 +496,11 @@ COORDINATOR_ENV = {
 }
 
 
+PASSED_ENV = ("IDLETRAIN_NUMBA",)  # IDLETRAIN_NUMBA=0: the coordinator without its compiled kernels (A/B runs)
+
+
 def _coordinator_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("IDLETRAIN_")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("IDLETRAIN_") or k in PASSED_ENV}
     env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1",
                **COORDINATOR_ENV)
     return env
@@ -638,7 +641,7 @@ def _run(mcfg, *, model: str, workers: list[int], think_s: float, duration_s: fl
                 "think_s": think_s, "warmup_s": warmup_s, "duration_s": duration_s, "shards": created["n_shards"],
                 "shard_tokens": SHARD_TOKENS, "shard_scan_ms": scan, "run_create_s": round(create_s, 1),
                 "request_timeout_s": REQUEST_TIMEOUT_S,
-                "coordinator_env": dict(COORDINATOR_ENV),
+                "coordinator_env": {**COORDINATOR_ENV, **{k: os.environ[k] for k in PASSED_ENV if k in os.environ}},
                 "processes": processes, "cpus": os.cpu_count(), "python": sys.version.split()[0],
                 "httpx": httpx.__version__,
                 "date": datetime.date.today().isoformat(), "workers_asked": workers, "not_run": [],
