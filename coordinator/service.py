@@ -37,7 +37,7 @@ from coordinator.runtime import RunRuntime
 from coordinator.settings import CoordinatorSettings
 from coordinator.storage import Storage
 from coordinator.traffic import TrafficCounter
-from shared import codec, protocol
+from shared import codec, kernels, protocol
 from shared.algorithms import sparta, sync
 from shared.algorithms.compress import k_for, tensor_seed
 from shared.algorithms.inner import scheduled_lr
@@ -202,8 +202,10 @@ class Coordinator:
 
     def warm_up(self) -> None:
         """Do before the first requests what they would otherwise wait for: torch's first model build
-        in a process (~0.8 s, even on the meta device) and each run's schema, which every upload is
-        checked against (a process's first upload took 0.9 s in `bench load`)."""
+        in a process (~0.8 s, even on the meta device), each run's schema, which every upload is
+        checked against (a process's first upload took 0.9 s in `bench load`), and the compiled
+        kernels that checking and merging use (shared/kernels.py: ~2 s to compile, less from cache)."""
+        kernels.warm_up()
         with self.sessions() as s:
             run_ids = s.scalars(select(Run.id).where(Run.state != "creating")).all()
         for run_id in run_ids:

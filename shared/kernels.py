@@ -28,6 +28,7 @@ import threading
 from collections.abc import Iterator
 
 import numpy as np
+import torch
 
 HAVE_NUMBA = importlib.util.find_spec("numba") is not None and os.environ.get("IDLETRAIN_NUMBA", "1") != "0"
 
@@ -228,6 +229,16 @@ def first_distinct_sorted(seeds, numels, ks, offsets) -> np.ndarray:
     _jit("first_distinct_sorted")(seeds, numels, ks, offsets, out, np.empty(cap, dtype=np.int64),
                                np.empty(kmax + 1, dtype=np.int64), np.empty(kmax, dtype=np.int64))
     return out
+
+
+def warm_up() -> None:
+    """Compile (or load from numba's cache) every kernel now, on tiny inputs, so that no request or
+    merge waits for it later (the coordinator calls this at start; a no-op without numba)."""
+    if not HAVE_NUMBA:
+        return
+    first_distinct_sorted([1], [8], [2], [0])
+    unpack_packed(b"\x80", [0], [1], [1], [2], [0])
+    scatter_pair(torch.zeros(2), torch.zeros(2), torch.zeros(1, dtype=torch.int64), torch.ones(1), 1.0, 1.0)
 
 
 def unpack_packed(raw, starts, widths, ks, numels, offsets) -> tuple[np.ndarray, int, int]:

@@ -125,3 +125,10 @@ def test_the_lazy_momentum_step_is_the_same_with_and_without_the_kernel(nesterov
         plain = _lazy_run(cfg, 5000, 40, seed=3)
     assert torch.equal(fast.t, plain.t) and torch.equal(fast.m, plain.m)
     assert (fast.scale, fast.carry, fast.in_group) == (plain.scale, plain.carry, plain.in_group)
+
+
+def test_warm_up_compiles_every_kernel():
+    kernels.warm_up()
+    assert set(kernels._compiled) == {"first_distinct_sorted", "scatter_pair", "unpack_packed"}
+    with kernels.disabled():
+        kernels.warm_up()  # a no-op without numba
