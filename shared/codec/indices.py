@@ -86,16 +86,8 @@ def seeded_indices_many(seeds, numels, ks, offsets=None) -> np.ndarray:
     """
     if not kernels.HAVE_NUMBA:
         return _seeded_indices_many_numpy(seeds, numels, ks, offsets)
-    seeds = [int(x) & 0xFFFFFFFFFFFFFFFF for x in seeds]
-    numels = np.asarray(numels, dtype=np.int64).reshape(-1)
-    ks = np.asarray(ks, dtype=np.int64).reshape(-1)
+    seeds, numels, ks, offs = _many_args(seeds, numels, ks, offsets)
     e = len(seeds)
-    if not numels.size == ks.size == e:
-        raise ValueError("seeds, numels and ks must have the same length")
-    offs = np.zeros(e, dtype=np.int64) if offsets is None else np.asarray(offsets, dtype=np.int64).reshape(-1)
-    if np.any(ks < 0) or np.any(ks > numels):
-        bad = int(np.argmax((ks < 0) | (ks > numels)))
-        raise ValueError(f"k={int(ks[bad])} must be within [0, numel={int(numels[bad])}]")
     sparse = (ks > 0) & (4 * ks <= numels)
     fi = np.flatnonzero(sparse)
     drawn = kernels.first_distinct_sorted([seeds[i] for i in fi], numels[fi], ks[fi], offs[fi])
@@ -117,16 +109,8 @@ def _seeded_indices_many_numpy(seeds, numels, ks, offsets=None) -> np.ndarray:
     and one sort for all of them instead of an np.unique and two sorts per tensor. Tensors outside
     the vectorised case (dense draws, k == numel, too few distinct draws, keys too wide) fall back
     to `_seeded_indices_numpy` one by one."""
-    seeds = [int(x) & 0xFFFFFFFFFFFFFFFF for x in seeds]
-    numels = np.asarray(numels, dtype=np.int64).reshape(-1)
-    ks = np.asarray(ks, dtype=np.int64).reshape(-1)
+    seeds, numels, ks, offs = _many_args(seeds, numels, ks, offsets)
     e = len(seeds)
-    if not numels.size == ks.size == e:
-        raise ValueError("seeds, numels and ks must have the same length")
-    offs = np.zeros(e, dtype=np.int64) if offsets is None else np.asarray(offsets, dtype=np.int64).reshape(-1)
-    if np.any(ks < 0) or np.any(ks > numels):
-        bad = int(np.argmax((ks < 0) | (ks > numels)))
-        raise ValueError(f"k={int(ks[bad])} must be within [0, numel={int(numels[bad])}]")
     pieces: list[np.ndarray | None] = [None] * e
     fast = (ks > 0) & (4 * ks <= numels)
     for i in np.flatnonzero(~fast):
@@ -195,6 +179,22 @@ def _seeded_indices_many_numpy(seeds, numels, ks, offsets=None) -> np.ndarray:
     if not pieces:
         return np.zeros(0, dtype=np.int64)
     return np.concatenate(pieces).astype(np.int64, copy=False)
+
+
+def _many_args(seeds, numels, ks, offsets) -> tuple[list[int], np.ndarray, np.ndarray, np.ndarray]:
+    """seeded_indices_many's arguments, checked: (64-bit seeds, numels, ks, offsets as int64 arrays)."""
+    seeds = [int(x) & 0xFFFFFFFFFFFFFFFF for x in seeds]
+    numels = np.asarray(numels, dtype=np.int64).reshape(-1)
+    ks = np.asarray(ks, dtype=np.int64).reshape(-1)
+    if not numels.size == ks.size == len(seeds):
+        raise ValueError("seeds, numels and ks must have the same length")
+    offs = np.zeros(len(seeds), dtype=np.int64) if offsets is None else np.asarray(offsets, dtype=np.int64).reshape(-1)
+    if offs.size != len(seeds):
+        raise ValueError("offsets must have one entry per seed")
+    if np.any(ks < 0) or np.any(ks > numels):
+        bad = int(np.argmax((ks < 0) | (ks > numels)))
+        raise ValueError(f"k={int(ks[bad])} must be within [0, numel={int(numels[bad])}]")
+    return seeds, numels, ks, offs
 
 
 def unpack_indices(buf, *, width: int, k: int) -> np.ndarray:
