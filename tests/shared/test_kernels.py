@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 import torch
@@ -44,6 +46,15 @@ def test_first_distinct_sorted_edges(numel):
     for seed in (0, 1, MASK64, 0x9E3779B97F4A7C15):
         np.testing.assert_array_equal(kernels.first_distinct_sorted([seed], [numel], [k], [0]),
                                       _seeded_indices_numpy(seed, numel, k))
+
+
+def test_seeded_indices_many_refuses_mismatched_arguments_on_both_paths():
+    for ctx in (kernels.disabled, contextlib.nullcontext):
+        with ctx():
+            with pytest.raises(ValueError, match="offsets must have one entry per seed"):
+                seeded_indices_many([1, 2], [100, 100], [3, 3], [0])
+            with pytest.raises(ValueError, match="same length"):
+                seeded_indices_many([1, 2], [100], [3, 3])
 
 
 def test_first_distinct_sorted_refuses_dense_draws():
