@@ -69,7 +69,10 @@ GROUPS = (1, 4, 8, 64)
 NO_MOMENTUM = OuterConfig(group=100_000)  # apply_delta never reaches its momentum step
 BATCH = 16  # deltas per RunRuntime.merge_batch call
 DELTA_SCALE = 1e-2  # std of the synthetic pseudo-gradient: far inside robust merging's bounds
-_KERNEL_NOTE = "" if kernels.HAVE_NUMBA else " (numba not installed: numpy/torch paths)"
+
+
+def _kernel_note() -> str:
+    return "" if kernels.ready() else " (compiled kernels unavailable: numpy/torch paths)"
 
 
 # -- timing ------------------------------------------------------------------------------------
@@ -464,7 +467,7 @@ def flat_stages(state: OuterState, schema: dict[str, tuple[int, ...]], kind: str
     cfg = run_cfg.outer
     t_apply = time_each(lambda d: flat.apply(d, weight=1.0, cfg=cfg), fdec)
     out = [Stage("(b2) codec.decode_flat (the coordinator's path)", kind, t_dec,
-                 note="every tensor's indices in one pass, global indices" + _KERNEL_NOTE),
+                 note="every tensor's indices in one pass, global indices" + _kernel_note()),
            Stage("(b2) codec.decode_flat, numpy only (IDLETRAIN_NUMBA=0)", kind, t_dec_np,
                  note="the same deltas, each decoded right after the row above"),
            Stage("(c2) robust.flat_delta_stats + decide", kind, t_screen,
@@ -515,7 +518,7 @@ def runtime_stages(params: dict[str, torch.Tensor], blobs: dict[str, list[bytes]
             stages.append(Stage(f"(f) RunRuntime.merge, replay (write_snapshot=False, group "
                                 f"{run_cfg.outer.group})", kind, t_rt,
                                 note=f"read file + decode + screen + apply + momentum; {merged}/{len(outcomes)} "
-                                     "merged" + _KERNEL_NOTE))
+                                     "merged" + _kernel_note()))
             stages.append(Stage("(f) RunRuntime.merge, replay, numpy/torch only (IDLETRAIN_NUMBA=0)", kind, t_np,
                                 note=f"chunks of {chunk} alternating with the row above; "
                                      f"{sum(o.merged for o in outcomes_np)}/{len(outcomes_np)} merged"))

@@ -15,20 +15,23 @@
 numba is imported and the kernels compiled on first use (0.3 s to import, about 2 s to compile, or
 a fraction of that from the cache it keeps under __pycache__), so processes that never merge or
 draw indices pay nothing. Without numba (`HAVE_NUMBA` False: a platform without its wheels, or
-IDLETRAIN_NUMBA=0 in the environment) the callers keep their numpy/torch paths, which compute the
-same results; the tests run both, and `idletrain bench merge` times both side by side.
+IDLETRAIN_NUMBA=0 in the environment), or with one that fails to compile or to pass `ready()`'s
+self-check (logged once), the callers keep their numpy/torch paths, which compute the same results; the tests run both, and `idletrain bench merge` times both side by side.
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib.util
+import logging
 import os
 import threading
 from collections.abc import Iterator
 
 import numpy as np
 import torch
+
+log = logging.getLogger(__name__)
 
 HAVE_NUMBA = importlib.util.find_spec("numba") is not None and os.environ.get("IDLETRAIN_NUMBA", "1") != "0"
 
@@ -188,31 +191,73 @@ def _unpack_packed(padded, starts, widths, ks, numels, offsets, out):
 
 _compiled: dict[str, object] = {}
 _compile_lock = threading.Lock()
+_ready: bool | None = None  # None: not tried yet; False: numba failed here, the plain paths run
+
+
+def ready() -> bool:
+    """Whether the compiled kernels are in use: numba installed and allowed (HAVE_NUMBA), and, the
+    first time, every kernel compiled (or loaded from numba's cache) and checked against known
+    answers. A numba that fails to import, compile or answer right is logged once and left off, so a
+    volunteer's odd install costs speed, never a crash."""
+    global _ready
+    if not HAVE_NUMBA:
+        return False
+    if _ready is None:
+        with _compile_lock:
+            if _ready is None:
+                try:
+                    _compile()
+                    _self_check()
+                    _ready = True
+                except Exception as exc:  # noqa: BLE001 - any failure means: run without the kernels
+                    log.warning("compiled kernels unavailable (%s: %s); using the numpy/torch paths",
+                                type(exc).__name__, exc)
+                    _ready = False
+    return _ready
+
+
+def _compile() -> None:
+    import numba
+
+    g = globals()
+    # helpers first: the kernels that call them must see the compiled versions
+    g["_mulhi64"] = numba.njit(cache=True, inline="always")(g["_mulhi64"])
+    _compiled["first_distinct_sorted"] = numba.njit(cache=True)(_first_distinct_sorted)
+    _compiled["scatter_pair"] = numba.njit(cache=True)(_scatter_pair)
+    _compiled["unpack_packed"] = numba.njit(cache=True)(_unpack_packed)
+
+
+def _self_check() -> None:
+    """Each kernel on a tiny input with a known answer (the first call also compiles it)."""
+    out = np.empty(20, dtype=np.int64)
+    _compiled["first_distinct_sorted"](np.array([42], dtype=np.uint64), np.array([200]), np.array([20]),
+                                       np.array([0]), out, np.empty(64, dtype=np.int64),
+                                       np.empty(21, dtype=np.int64), np.empty(20, dtype=np.int64))
+    # seeded_indices(42, 200, 20), pinned in tests/shared/codec/test_codec.py
+    want = [5, 7, 8, 13, 46, 47, 50, 58, 61, 62, 91, 95, 108, 125, 130, 156, 164, 174, 189, 198]
+    if out.tolist() != want:
+        raise RuntimeError("first_distinct_sorted gave wrong indices")
+    got = np.empty(2, dtype=np.int64)  # 0b1010_0111: two 4-bit indices, 10 and 7 (not increasing)
+    status, _ = _compiled["unpack_packed"](np.array([0xA7] + [0] * 8, dtype=np.uint8), np.array([0]),
+                                           np.array([4]), np.array([2]), np.array([16]), np.array([100]), got)
+    if status != 2 or got.tolist() != [110, 107]:
+        raise RuntimeError("unpack_packed gave wrong indices")
+    t, m = np.zeros(3, dtype=np.float32), np.zeros(3, dtype=np.float32)
+    bad = _compiled["scatter_pair"](t, m, np.array([2, 2]), np.array([1.0, 2.0], dtype=np.float32), 0.5, -1.0)
+    if bad != -1 or t.tolist() != [0.0, 0.0, 1.5] or m.tolist() != [0.0, 0.0, -3.0]:
+        raise RuntimeError("scatter_pair gave wrong sums")
 
 
 def _jit(name: str):
-    """The numba-compiled kernel `name` (compiled, or loaded from numba's cache, on first use)."""
-    fn = _compiled.get(name)
-    if fn is None:
-        with _compile_lock:
-            if not _compiled:
-                import numba
-
-                g = globals()
-                # helpers first: the kernels that call them must see the compiled versions
-                g["_mulhi64"] = numba.njit(cache=True, inline="always")(_mulhi64)
-                _compiled["first_distinct_sorted"] = numba.njit(cache=True)(_first_distinct_sorted)
-                _compiled["scatter_pair"] = numba.njit(cache=True)(_scatter_pair)
-                _compiled["unpack_packed"] = numba.njit(cache=True)(_unpack_packed)
-            fn = _compiled[name]
-    return fn
+    """The compiled kernel `name` (callers check ready() first)."""
+    return _compiled[name]
 
 
 def first_distinct_sorted(seeds, numels, ks, offsets) -> np.ndarray:
     """The concatenation over tensors i of offsets[i] + seeded_indices(seeds[i], numels[i], ks[i])
-    (int64), for sparse tensors (0 <= 4 k_i <= numel_i). Requires numba (HAVE_NUMBA)."""
-    if not HAVE_NUMBA:
-        raise RuntimeError("first_distinct_sorted needs numba; use codec.indices.seeded_indices_many")
+    (int64), for sparse tensors (0 <= 4 k_i <= numel_i). Only when ready()."""
+    if not ready():
+        raise RuntimeError("first_distinct_sorted runs only when ready() (numba compiled); use codec.indices.seeded_indices_many")
     seeds = np.asarray([int(s) & 0xFFFFFFFFFFFFFFFF for s in seeds], dtype=np.uint64).reshape(-1)
     numels = np.asarray(numels, dtype=np.int64).reshape(-1)
     ks = np.asarray(ks, dtype=np.int64).reshape(-1)
@@ -231,22 +276,18 @@ def first_distinct_sorted(seeds, numels, ks, offsets) -> np.ndarray:
     return out
 
 
-def warm_up() -> None:
-    """Compile (or load from numba's cache) every kernel now, on tiny inputs, so that no request or
-    merge waits for it later (the coordinator calls this at start; a no-op without numba)."""
-    if not HAVE_NUMBA:
-        return
-    first_distinct_sorted([1], [8], [2], [0])
-    unpack_packed(b"\x80", [0], [1], [1], [2], [0])
-    scatter_pair(torch.zeros(2), torch.zeros(2), torch.zeros(1, dtype=torch.int64), torch.ones(1), 1.0, 1.0)
+def warm_up() -> bool:
+    """ready() now, so that no request or merge waits for the kernels' compilation later (the
+    coordinator calls this at start); whether they are in use."""
+    return ready()
 
 
 def unpack_packed(raw, starts, widths, ks, numels, offsets) -> tuple[np.ndarray, int, int]:
     """Bit-unpack every PACKED entry of a delta body (widths <= 56) onto global indices in one
     compiled pass: (indices, status, position) as `_unpack_packed` returns them, so the caller
-    raises its own errors. Requires numba (HAVE_NUMBA)."""
-    if not HAVE_NUMBA:
-        raise RuntimeError("unpack_packed needs numba; use the numpy path")
+    raises its own errors. Only when ready()."""
+    if not ready():
+        raise RuntimeError("unpack_packed runs only when ready() (numba compiled); use the numpy path")
     starts, widths, ks, numels, offsets = (np.asarray(a, dtype=np.int64).reshape(-1)
                                            for a in (starts, widths, ks, numels, offsets))
     if np.any((widths < 1) | (widths > 56)) or np.any(ks < 0):
@@ -267,7 +308,7 @@ def scatter_pair(t, m, idx, vals, a: float, b: float) -> None:
     t.index_add_(0, idx, vals, alpha=a) leave, repeated indices included; those two calls are the
     path without numba and for tensors of another layout. An index out of range raises IndexError
     before anything is written."""
-    if not (HAVE_NUMBA and _fits(t, np.float32) and _fits(m, np.float32) and _fits(idx, np.int64)
+    if not (ready() and _fits(t, np.float32) and _fits(m, np.float32) and _fits(idx, np.int64)
             and _fits(vals, np.float32)):
         m.index_add_(0, idx, vals, alpha=b)
         t.index_add_(0, idx, vals, alpha=a)

@@ -400,7 +400,7 @@ class FlatOuter:
         # float32 arithmetic as the two index_add_ runs of _scatter
         alpha_m = 1.0 / (group * s_new)
         alphas_t = [c_t if i < self.applied else c_t - self.share for i in range(len(self.pending))]
-        if kernels.HAVE_NUMBA and all(idx is not None for idx, _, _ in self.pending) and 0.0 not in alphas_t:
+        if kernels.ready() and all(idx is not None for idx, _, _ in self.pending) and 0.0 not in alphas_t:
             for (idx, _, vals), a_t in zip(self.pending, alphas_t):
                 kernels.scatter_pair(self.t, self.m, idx, vals, a_t, alpha_m)
         else:

@@ -364,7 +364,7 @@ def _unpack_many(raw: memoryview, packed: list[tuple]) -> np.ndarray:
     PackedIndices.decode checks them: in range, strictly increasing."""
     if not packed:
         return np.zeros(0, dtype=np.int64)
-    if kernels.HAVE_NUMBA:
+    if kernels.ready():
         out, status, at = kernels.unpack_packed(raw, [item[2][0] for item in packed], [item[2][1] for item in packed],
                                                 [item[4] for item in packed], [item[3] for item in packed],
                                                 [item[0] for item in packed])

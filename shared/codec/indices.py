@@ -53,7 +53,7 @@ def seeded_indices(seed: int, numel: int, k: int) -> np.ndarray:
     """
     if not 0 <= k <= numel:
         raise ValueError(f"k={k} must be within [0, numel={numel}]")
-    if 0 < k and 4 * k <= numel and kernels.HAVE_NUMBA:
+    if 0 < k and 4 * k <= numel and kernels.ready():
         return kernels.first_distinct_sorted([seed], [numel], [k], [0])
     return _seeded_indices_numpy(seed, numel, k)
 
@@ -84,7 +84,7 @@ def seeded_indices_many(seeds, numels, ks, offsets=None) -> np.ndarray:
     (`kernels.first_distinct_sorted`), the rest (dense draws, k == numel) one by one; without numba,
     one vectorised numpy pass (`_seeded_indices_many_numpy`). The same values either way.
     """
-    if not kernels.HAVE_NUMBA:
+    if not kernels.ready():
         return _seeded_indices_many_numpy(seeds, numels, ks, offsets)
     seeds, numels, ks, offs = _many_args(seeds, numels, ks, offsets)
     e = len(seeds)

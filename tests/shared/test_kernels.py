@@ -21,7 +21,24 @@ MASK64 = (1 << 64) - 1
 
 def test_numba_is_installed_where_the_tests_run():
     # a dependency: without it the suite would compare the fallback with itself
-    assert kernels.HAVE_NUMBA
+    assert kernels.HAVE_NUMBA and kernels.ready()
+
+
+def test_a_broken_numba_leaves_the_kernels_off_and_the_plain_paths_on(monkeypatch, caplog):
+    def broken() -> None:
+        raise ImportError("numba: no module named llvmlite")
+
+    monkeypatch.setattr(kernels, "_ready", None)
+    monkeypatch.setattr(kernels, "_compile", broken)
+    assert not kernels.ready() and not kernels.warm_up()
+    assert "compiled kernels unavailable (ImportError" in caplog.text
+    # everything still answers, through numpy/torch
+    np.testing.assert_array_equal(seeded_indices(42, 200, 20), _seeded_indices_numpy(42, 200, 20))
+    t, m = torch.zeros(4), torch.zeros(4)
+    kernels.scatter_pair(t, m, torch.tensor([1, 1]), torch.ones(2), 2.0, 3.0)
+    assert t[1] == 4.0 and m[1] == 6.0
+    with pytest.raises(RuntimeError, match="only when ready"):
+        kernels.first_distinct_sorted([1], [100], [3], [0])
 
 
 @settings(max_examples=200, deadline=None)
@@ -72,7 +89,7 @@ def test_the_numpy_path_gives_the_same_indices():
     fast = seeded_indices_many(seeds, numels, ks, np.cumsum([0] + numels)[:-1])
     single = [seeded_indices(s, n, k) for s, n, k in zip(seeds, numels, ks)]
     with kernels.disabled():
-        assert not kernels.HAVE_NUMBA
+        assert not kernels.HAVE_NUMBA and not kernels.ready()
         plain = seeded_indices_many(seeds, numels, ks, np.cumsum([0] + numels)[:-1])
         assert all(np.array_equal(a, seeded_indices(s, n, k)) for a, s, n, k in zip(single, seeds, numels, ks))
     assert kernels.HAVE_NUMBA
@@ -139,7 +156,7 @@ def test_the_lazy_momentum_step_is_the_same_with_and_without_the_kernel(nesterov
 
 
 def test_warm_up_compiles_every_kernel():
-    kernels.warm_up()
+    assert kernels.warm_up()
     assert set(kernels._compiled) == {"first_distinct_sorted", "scatter_pair", "unpack_packed"}
     with kernels.disabled():
-        kernels.warm_up()  # a no-op without numba
+        assert not kernels.warm_up()  # a no-op without numba
