@@ -221,10 +221,12 @@ def _compile() -> None:
 
     g = globals()
     # helpers first: the kernels that call them must see the compiled versions
-    g["_mulhi64"] = numba.njit(cache=True, inline="always")(g["_mulhi64"])
-    _compiled["first_distinct_sorted"] = numba.njit(cache=True)(_first_distinct_sorted)
-    _compiled["scatter_pair"] = numba.njit(cache=True)(_scatter_pair)
-    _compiled["unpack_packed"] = numba.njit(cache=True)(_unpack_packed)
+    # nogil: a kernel runs for milliseconds (a group's scatter ~20 ms at 124M), and the merging
+    # process's request threads must not wait for it, as they do not for torch's own ops
+    g["_mulhi64"] = numba.njit(cache=True, nogil=True, inline="always")(g["_mulhi64"])
+    _compiled["first_distinct_sorted"] = numba.njit(cache=True, nogil=True)(_first_distinct_sorted)
+    _compiled["scatter_pair"] = numba.njit(cache=True, nogil=True)(_scatter_pair)
+    _compiled["unpack_packed"] = numba.njit(cache=True, nogil=True)(_unpack_packed)
 
 
 def _self_check() -> None:

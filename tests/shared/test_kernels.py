@@ -160,3 +160,34 @@ def test_warm_up_compiles_every_kernel():
     assert set(kernels._compiled) == {"first_distinct_sorted", "scatter_pair", "unpack_packed"}
     with kernels.disabled():
         assert not kernels.warm_up()  # a no-op without numba
+
+
+def test_a_kernel_lets_other_threads_run():
+    # the merging process's request threads must not wait out a scatter (the GIL is released)
+    import threading
+    import time
+
+    assert kernels.ready()
+    n = 1 << 22
+    t, m = torch.zeros(n), torch.zeros(n)
+    idx = torch.randint(0, n, (1 << 24,))  # ~0.1 s of scattering
+    vals = torch.ones(1 << 24)
+    ticks = []
+    stop = threading.Event()
+
+    def ticker() -> None:
+        while not stop.is_set():
+            ticks.append(time.perf_counter())
+            time.sleep(0.001)
+
+    th = threading.Thread(target=ticker)
+    th.start()
+    time.sleep(0.01)
+    t0 = time.perf_counter()
+    kernels.scatter_pair(t, m, idx, vals, 1.0, 1.0)
+    t1 = time.perf_counter()
+    stop.set()
+    th.join()
+    during = [x for x in ticks if t0 < x < t1]
+    assert t1 - t0 > 0.03  # long enough to tell
+    assert len(during) >= 3, f"the ticker ran {len(during)} times in {1000 * (t1 - t0):.0f} ms"
