@@ -111,6 +111,11 @@ class Coordinator:
         self.traffic = TrafficCounter()  # bytes moved, written by flush_traffic (coordinator/traffic.py)
         self._flush_lock = threading.Lock()
         self._ack_lock = threading.Lock()  # one delta at a time takes the next sequence number
+        # one model update built at a time in this process: a build holds two decoded snapshots (~1 GB
+        # at 124M parameters) and seconds of CPU, and the workers that held the same version ask for
+        # the same update at once; those waiting read the file the first one built
+        self._update_build_lock = threading.Lock()
+        self.updates_built = 0  # builds in this process (tests and operators: misses, not requests)
         self.limiter = RateLimiter({"lease": (settings.lease_rate, settings.lease_burst),
                                     "upload": (settings.upload_rate, settings.upload_burst),
                                     "exchange": (settings.exchange_rate, settings.exchange_burst),
@@ -653,7 +658,9 @@ class Coordinator:
         update_values (shared/algorithms/sync.py).
 
         Built once per (from, to) and kept beside the snapshots, so the workers that hold the same
-        version share it; a version that is no longer kept answers 410 (fetch the full snapshot)."""
+        version share it: one build at a time per process, and requests arriving during a build of
+        their pair wait for its file instead of building it again. A version that is no longer kept
+        answers 410 (fetch the full snapshot)."""
         if to_version <= from_version:
             raise Unprocessable(f"an update goes forward: {from_version} -> {to_version} does not")
         with self.sessions() as s:
@@ -671,18 +678,26 @@ class Coordinator:
         try:
             blob = path.read_bytes()
         except FileNotFoundError:
-            schema = self.schema_of(run_id)
-            try:
-                old, _ = decode_snapshot(self.storage.snapshot(run_id, from_version).read_bytes(), schema=schema)
-                new, _ = decode_snapshot(self.storage.snapshot(run_id, to_version).read_bytes(), schema=schema)
-            except FileNotFoundError:
-                raise Gone(f"a snapshot between {from_version} and {to_version} is no longer kept; "
-                           f"fetch snapshots/{to_version} instead") from None
-            values = RunConfig.model_validate_json(config_json).update_values  # built once: only on a miss
-            blob = codec.encode(sync.model_update(old, new, from_version=from_version, values=values))
-            self.storage.write(path, blob)
+            with self._update_build_lock:
+                try:  # built by another request while this one waited
+                    blob = path.read_bytes()
+                except FileNotFoundError:
+                    blob = self._build_update(run_id, config_json, from_version, to_version)
+                    self.storage.write(path, blob)
+                    self.updates_built += 1
         self.traffic.add(run_id, down_model=len(blob))
         return blob, hashlib.sha256(blob).hexdigest()
+
+    def _build_update(self, run_id: int, config_json: str, from_version: int, to_version: int) -> bytes:
+        schema = self.schema_of(run_id)
+        try:
+            old, _ = decode_snapshot(self.storage.snapshot(run_id, from_version).read_bytes(), schema=schema)
+            new, _ = decode_snapshot(self.storage.snapshot(run_id, to_version).read_bytes(), schema=schema)
+        except FileNotFoundError:
+            raise Gone(f"a snapshot between {from_version} and {to_version} is no longer kept; "
+                       f"fetch snapshots/{to_version} instead") from None
+        values = RunConfig.model_validate_json(config_json).update_values  # built once: only on a miss
+        return codec.encode(sync.model_update(old, new, from_version=from_version, values=values))
 
     def shard(self, run_name: str, shard_index: int, worker: Worker) -> tuple[bytes, str]:
         with self.reads.connect() as c:

@@ -85,3 +85,49 @@ def test_a_run_with_int8_updates_serves_them_in_int8(api, run_config, make_delta
     for n in new:  # int8 rounding: at most max|change| / 254 per block of 256
         assert (got[n] - new[n]).abs().max() <= (new[n] - old[n]).abs().max() / 254 * 1.01 + 1e-7, n
     assert len(blob) < 0.5 * len(api.snapshot(2))
+
+
+def test_concurrent_requests_build_an_update_once_and_one_build_at_a_time(api, run, make_delta, monkeypatch):
+    # a new version's update is wanted by every worker that held the old one, at once: built once,
+    # the others wait for its file; different pairs are built one after another (each build holds
+    # two decoded snapshots: ~1 GB at 124M parameters)
+    import threading
+    import time
+
+    w = api.register()
+    for seed in range(1, 4):
+        lease = api.lease(w)
+        api.accept(lease.lease_id, make_delta(lease, seed=seed, scale=0.05), w)
+        api.drain()
+    coord = api.coordinator
+    real, active, peak = coord._build_update, [0], [0]
+    guard = threading.Lock()
+
+    def slow_build(*args):
+        with guard:
+            active[0] += 1
+            peak[0] = max(peak[0], active[0])
+        time.sleep(0.2)
+        try:
+            return real(*args)
+        finally:
+            with guard:
+                active[0] -= 1
+
+    monkeypatch.setattr(coord, "_build_update", slow_build)
+    built = coord.updates_built
+    pairs = [(0, 3)] * 6 + [(0, 2), (1, 3), (1, 2)]
+    blobs: dict[int, tuple[bytes, str]] = {}
+
+    def ask(i: int) -> None:
+        blobs[i] = coord.model_update("t", *pairs[i])
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(pairs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert coord.updates_built - built == 4  # (0, 3) once, and each other pair once
+    assert peak[0] == 1
+    assert len({blobs[i] for i in range(6)}) == 1  # every (0, 3) request got the same bytes
+    assert blobs[0][0] == api.client.get(f"{API}/runs/t/updates/0/3").content
