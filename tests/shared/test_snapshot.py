@@ -10,6 +10,8 @@ import pytest
 import safetensors.torch
 import torch
 import zstandard
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from shared.errors import SnapshotError
 from shared.snapshot import (decode_snapshot, encode_snapshot, encode_snapshot_flat, encode_snapshot_flat_parts,
@@ -211,3 +213,16 @@ def test_encode_snapshot_flat_parts_join_to_encode_snapshot_flat():
     flat = torch.randn(17)
     parts = encode_snapshot_flat_parts(flat, SCHEMA, metadata={"v": "1"})
     assert len(parts) > 1 and b"".join(parts) == encode_snapshot_flat(flat, SCHEMA, metadata={"v": "1"})
+
+
+@given(st.integers(1, 5000), st.data())
+@settings(max_examples=200, deadline=None)
+def test_the_finiteness_check_finds_any_nan_or_inf(n, data):
+    # decode_snapshot's one-pass check (min and max) against the elementwise definition
+    from shared.snapshot import _all_finite
+
+    t = torch.randn(n)
+    for _ in range(data.draw(st.integers(0, 3), label="bad values")):
+        t[data.draw(st.integers(0, n - 1), label="where")] = data.draw(
+            st.sampled_from([float("nan"), float("inf"), float("-inf")]), label="what")
+    assert _all_finite(t) == bool(torch.isfinite(t).all())
