@@ -93,11 +93,20 @@ class _BlockQuantised(ValueCodec):
         return (padded.reshape(-1, BLOCK).max(axis=1) / self.qmax).astype("<f4")  # (nblocks,)
 
     def _quantise(self, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(scales, codes): each value / its block's scale (1 for an all-zero block), rounded to the
+        nearest even and clipped to +-qmax. Block by block through one padded buffer, in place: the
+        same float32 divisions as one per-value scale array, without building three more arrays the
+        size of the values (a 124M-parameter model update: 1.1 GB of temporaries)."""
         scales = self._scales(values)
-        per_value = np.repeat(scales, BLOCK)[: values.size]
-        safe = np.where(per_value > 0, per_value, 1.0)
-        q = np.clip(np.rint(values / safe), -self.qmax, self.qmax).astype(np.int8)
-        return scales, q
+        k = values.size
+        safe = np.where(scales > 0, scales, np.float32(1.0)).astype(np.float32)
+        work = np.zeros(scales.size * BLOCK, dtype=np.float32)
+        work[:k] = values
+        blocks = work.reshape(-1, BLOCK)
+        np.divide(blocks, safe[:, None], out=blocks)
+        np.rint(work, out=work)
+        np.clip(work, -self.qmax, self.qmax, out=work)
+        return scales, work[:k].astype(np.int8)
 
     def _read_scales(self, buf: memoryview, k: int) -> np.ndarray:
         scales = np.frombuffer(buf[: 4 * (-(-k // BLOCK))], dtype="<f4").astype(np.float32)

@@ -24,6 +24,7 @@ from shared.codec import (
     decode_flat, encode, flat_offsets, max_body_bytes, seeded_indices, seeded_indices_many, splitmix64,
 )
 from shared.codec.indices import INDEX_CODECS
+from shared.codec.values import VALUE_CODECS
 from shared.errors import DeltaFormatError, DeltaMismatchError
 
 SCHEMA = {"emb": (40, 8), "w": (7, 5), "b": (13,), "one": (1,)}  # numel 320 (two int8 blocks), 35, 13, 1
@@ -790,3 +791,30 @@ def test_check_flat_finds_an_int8_overflow_from_each_blocks_largest_code(codes, 
 
 def test_flat_offsets_follow_the_schema():
     assert flat_offsets(SCHEMA) == {"emb": 0, "w": 320, "b": 355, "one": 368}
+
+
+def _reference_codes(values: np.ndarray, qmax: int) -> tuple[np.ndarray, np.ndarray]:
+    """The block quantiser written per value: scale = max |v| of its block of BLOCK / qmax, code =
+    clip(rint(v / scale), +-qmax), an all-zero block dividing by 1."""
+    k = values.size
+    padded = np.zeros(-(-k // BLOCK) * BLOCK, dtype=np.float32)
+    padded[:k] = np.abs(values)
+    scales = (padded.reshape(-1, BLOCK).max(axis=1) / qmax).astype("<f4")
+    per_value = np.repeat(scales, BLOCK)[:k]
+    safe = np.where(per_value > 0, per_value, 1.0)
+    return scales, np.clip(np.rint(values / safe), -qmax, qmax).astype(np.int8)
+
+
+@settings(max_examples=300, deadline=None)
+@given(hnp.arrays(np.float32, st.integers(0, 1200),
+                  elements=st.floats(-2.0 ** 126, 2.0 ** 126, allow_nan=False, allow_subnormal=False, width=32)),
+       st.booleans())
+def test_block_quantisers_give_the_per_value_codes(values, zero_first_block):
+    if zero_first_block:
+        values[:BLOCK] = 0
+    for kind in (ValueKind.INT8, ValueKind.INT4):
+        codec = VALUE_CODECS[kind]
+        scales, q = codec._quantise(values)  # the codec's block-at-a-time form
+        want_scales, want_q = _reference_codes(values, codec.qmax)
+        assert scales.tobytes() == want_scales.tobytes()
+        np.testing.assert_array_equal(q, want_q)
