@@ -210,7 +210,7 @@ class Coordinator:
         in a process (~0.8 s, even on the meta device), each run's schema, which every upload is
         checked against (a process's first upload took 0.9 s in `bench load`), and the compiled
         kernels that checking and merging use (shared/kernels.py: ~2 s to compile, less from cache)."""
-        kernels.warm_up()
+        kernels.ready()  # compiles (or loads from numba's cache) the kernels now
         with self.sessions() as s:
             run_ids = s.scalars(select(Run.id).where(Run.state != "creating")).all()
         for run_id in run_ids:

@@ -16,7 +16,9 @@ numba is imported and the kernels compiled on first use (0.3 s to import, about 
 a fraction of that from the cache it keeps under __pycache__), so processes that never merge or
 draw indices pay nothing. Without numba (`HAVE_NUMBA` False: a platform without its wheels, or
 IDLETRAIN_NUMBA=0 in the environment), or with one that fails to compile or to pass `ready()`'s
-self-check (logged once), the callers keep their numpy/torch paths, which compute the same results; the tests run both, and `idletrain bench merge` times both side by side.
+self-check (logged once), the callers keep their numpy/torch paths, which compute the same results;
+the tests run both, and `idletrain bench merge` times both side by side. A process that wants the
+compilation out of the way (the coordinator, at start) calls `ready()` early.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ def disabled() -> Iterator[None]:
         yield
     finally:
         HAVE_NUMBA = before
+
 
 _GAMMA = 0x9E3779B97F4A7C15
 _M1 = 0xBF58476D1CE4E5B9
@@ -250,16 +253,12 @@ def _self_check() -> None:
         raise RuntimeError("scatter_pair gave wrong sums")
 
 
-def _jit(name: str):
-    """The compiled kernel `name` (callers check ready() first)."""
-    return _compiled[name]
-
-
 def first_distinct_sorted(seeds, numels, ks, offsets) -> np.ndarray:
     """The concatenation over tensors i of offsets[i] + seeded_indices(seeds[i], numels[i], ks[i])
     (int64), for sparse tensors (0 <= 4 k_i <= numel_i). Only when ready()."""
     if not ready():
-        raise RuntimeError("first_distinct_sorted runs only when ready() (numba compiled); use codec.indices.seeded_indices_many")
+        raise RuntimeError("first_distinct_sorted runs only when ready() (numba compiled); "
+                           "use codec.indices.seeded_indices_many")
     seeds = np.asarray([int(s) & 0xFFFFFFFFFFFFFFFF for s in seeds], dtype=np.uint64).reshape(-1)
     numels = np.asarray(numels, dtype=np.int64).reshape(-1)
     ks = np.asarray(ks, dtype=np.int64).reshape(-1)
@@ -273,15 +272,9 @@ def first_distinct_sorted(seeds, numels, ks, offsets) -> np.ndarray:
     while cap < 2 * kmax:
         cap <<= 1
     out = np.empty(int(ks.sum()), dtype=np.int64)
-    _jit("first_distinct_sorted")(seeds, numels, ks, offsets, out, np.empty(cap, dtype=np.int64),
-                               np.empty(kmax + 1, dtype=np.int64), np.empty(kmax, dtype=np.int64))
+    _compiled["first_distinct_sorted"](seeds, numels, ks, offsets, out, np.empty(cap, dtype=np.int64),
+                                       np.empty(kmax + 1, dtype=np.int64), np.empty(kmax, dtype=np.int64))
     return out
-
-
-def warm_up() -> bool:
-    """ready() now, so that no request or merge waits for the kernels' compilation later (the
-    coordinator calls this at start); whether they are in use."""
-    return ready()
 
 
 def unpack_packed(raw, starts, widths, ks, numels, offsets) -> tuple[np.ndarray, int, int]:
@@ -300,7 +293,7 @@ def unpack_packed(raw, starts, widths, ks, numels, offsets) -> tuple[np.ndarray,
     padded = np.zeros(len(raw) + 8, dtype=np.uint8)
     padded[:len(raw)] = np.frombuffer(raw, dtype=np.uint8)
     out = np.empty(int(ks.sum()), dtype=np.int64)
-    status, at = _jit("unpack_packed")(padded, starts, widths, ks, numels, offsets, out)
+    status, at = _compiled["unpack_packed"](padded, starts, widths, ks, numels, offsets, out)
     return out, int(status), int(at)
 
 
@@ -317,9 +310,10 @@ def scatter_pair(t, m, idx, vals, a: float, b: float) -> None:
         return
     if idx.numel() != vals.numel():
         raise ValueError(f"{idx.numel()} indices for {vals.numel()} values")
-    bad = _jit("scatter_pair")(t.numpy(), m.numpy(), idx.numpy(), vals.numpy(), float(a), float(b))
+    bad = _compiled["scatter_pair"](t.numpy(), m.numpy(), idx.numpy(), vals.numpy(), float(a), float(b))
     if bad >= 0:
-        raise IndexError(f"index {int(idx[bad])} out of range for {min(t.numel(), m.numel())} elements; nothing written")
+        raise IndexError(f"index {int(idx[bad])} out of range for {min(t.numel(), m.numel())} elements; "
+                         "nothing written")
 
 
 def _fits(x, dtype) -> bool:

@@ -30,7 +30,7 @@ def test_a_broken_numba_leaves_the_kernels_off_and_the_plain_paths_on(monkeypatc
 
     monkeypatch.setattr(kernels, "_ready", None)
     monkeypatch.setattr(kernels, "_compile", broken)
-    assert not kernels.ready() and not kernels.warm_up()
+    assert not kernels.ready() and not kernels.ready()  # tried once, then remembered
     assert "compiled kernels unavailable (ImportError" in caplog.text
     # everything still answers, through numpy/torch
     np.testing.assert_array_equal(seeded_indices(42, 200, 20), _seeded_indices_numpy(42, 200, 20))
@@ -155,11 +155,11 @@ def test_the_lazy_momentum_step_is_the_same_with_and_without_the_kernel(nesterov
     assert (fast.scale, fast.carry, fast.in_group) == (plain.scale, plain.carry, plain.in_group)
 
 
-def test_warm_up_compiles_every_kernel():
-    assert kernels.warm_up()
+def test_ready_compiles_every_kernel():
+    assert kernels.ready()
     assert set(kernels._compiled) == {"first_distinct_sorted", "scatter_pair", "unpack_packed"}
     with kernels.disabled():
-        assert not kernels.warm_up()  # a no-op without numba
+        assert not kernels.ready()  # a no-op without numba
 
 
 def test_a_kernel_lets_other_threads_run():
