@@ -6,7 +6,8 @@ Asynchrony is simulated with a clock: worker i finishes a round H / speed_i afte
 deltas merge in finishing order, and a worker always restarts from the newest published model
 (shared/algorithms/outer.py `published`), fetched as the real worker fetches it (worker/loop.py
 `_params`): version 0 built from the run's seed, then the int8 or int4 change since the copy it
-holds, a full snapshot after sync.MAX_HOPS changes in a row.
+holds, a full snapshot after sync.MAX_HOPS changes in a row. A round's lr is the schedule's at the
+tokens delivered so far, as the coordinator leases it.
 """
 
 from __future__ import annotations
@@ -264,7 +265,9 @@ def run_diloco(setup: Setup, method: Method, *, on_merge: Callable[[int], None] 
         for v in [v for v in served if v != version and all(x.held is None or x.held[0] != v for x in replicas)]:
             del served[v]
         set_params(r.model, base)
-        lr = _lr(setup, tokens_started)
+        # the coordinator's rule (coordinator/service.py, lease): the schedule's position is the tokens
+        # delivered so far, not those still being trained in other workers' open rounds
+        lr = _lr(setup, tokens_merged)
         r.train(setup, method.H, lr)
         tokens_started += method.H * setup.tokens_per_step
         pg = pseudo_gradient(base, get_params(r.model))

@@ -142,3 +142,18 @@ def test_the_barrier_makes_every_round_start_from_one_version(setup):
     assert r.max_staleness == 2 and r.merges == setup.total_steps // 2  # 0, 1, 2 in every group of 3
     assert seen == list(range(1, r.merges + 1))
     assert r.curve[-1][0] == setup.total_steps * setup.tokens_per_step
+
+
+def test_a_round_takes_the_lr_the_coordinator_would_lease(setup, monkeypatch):
+    """The coordinator leases a round at the schedule's position of the tokens delivered so far
+    (coordinator/service.py), not counting those other workers are still training: at equal speeds
+    the first round of every worker starts at the top of the schedule, later ones one delivery apart."""
+    import bench.sim as sim
+
+    positions = []
+    real_lr = sim._lr
+    monkeypatch.setattr(sim, "_lr", lambda s, tokens: positions.append(tokens) or real_lr(s, tokens))
+    sim.run_diloco(setup, Method("d", "diloco", H=2, outer=OuterConfig(group=3)))
+    rounds = setup.total_steps // 2  # 12: 3 workers x 4 rounds of 2 steps
+    delivered = [0] * setup.workers + list(range(1, rounds - setup.workers + 1))
+    assert positions == [k * 2 * setup.tokens_per_step for k in delivered]
