@@ -15,12 +15,15 @@ model on the same batches (worker i draws from its own seeded stream; ddp takes 
   noise, so its normalised step is up to sqrt(M) smaller than ddp's wherever noise dominates, and
   averaging does not give that back. The gain is an oracle (v needs every step's gradients).
 - `shared v H`: every worker normalises by that v (the oracle) instead of its own.
+- `alone`: worker 0 by itself (its own batches, nothing averaged): what communicating has to beat.
 
 With clipping off, `shared v` at H = 1 is ddp exactly (the updates are linear in the first
 moments; tests/bench/test_averaging.py checks it), so any gap between `average 1` and ddp is the
 normalisation alone, and the rows at larger H show what the workers' drift adds. The `full`
 profile adds the same at 4x the steps and at 4x the batch per worker (4x the tokens, each with its
-own ddp).
+own ddp). The `batch` profile asks where the convergence benchmark's 1000x goal could be met at
+all: at 16, 64 and 256 sequences per worker, ddp, a lone worker, and averaging every 40 steps or
+once at the end (1000x less traffic than ddp leaves a dense int4 exchange at most every 125 steps).
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from shared.model import ModelConfig, build_model, evaluate_loss
 log = logging.getLogger(__name__)
 
 MODES = ("ddp", "average", "gain", "shared v")
+ALONE = "alone"  # worker 0 by itself: the no-communication reference
 EPS = 1e-8
 
 
@@ -66,7 +70,7 @@ class Row:
 
     @property
     def name(self) -> str:
-        return "ddp" if self.mode == "ddp" else f"{self.mode} H={self.H}"
+        return self.mode if self.mode in ("ddp", ALONE) else f"{self.mode} H={self.H}"
 
 
 class FlatAdamW:
@@ -118,7 +122,7 @@ def train(row: Row, tokens: torch.Tensor) -> torch.Tensor:
     """Train one row; returns the final (averaged) flat weights."""
     r, cfg = row.regime, row.regime.inner
     gens = [torch.Generator().manual_seed(r.seed * 1000 + i + 1) for i in range(r.workers)]
-    n_models = 1 if row.mode == "ddp" else r.workers
+    n_models = 1 if row.mode in ("ddp", ALONE) else r.workers
     opts = [FlatAdamW(build_model(r.model, seed=r.seed), cfg) for _ in range(n_models)]
     shared = torch.zeros_like(opts[0].flat)  # the combined gradient's second moment (the oracle)
     base = opts[0].flat.clone()
@@ -127,7 +131,11 @@ def train(row: Row, tokens: torch.Tensor) -> torch.Tensor:
         ramp = min(1.0, (t + 1) / cfg.warmup_steps) if cfg.warmup_steps else 1.0
         lr = ramp * scheduled_lr(cfg, tokens_done=t * per_step, schedule_tokens=r.steps * per_step)
         batches = [sample_batch(tokens, batch_size=cfg.batch_size, context=r.model.context, generator=g)
-                   for g in gens]
+                   for g in (gens[:1] if row.mode == ALONE else gens)]
+        if row.mode == ALONE:  # worker 0's own batches: the same stream as worker 0 of the other rows
+            opts[0].moments(clip(opts[0].grad(*batches[0]), cfg.grad_clip))
+            opts[0].step(lr)
+            continue
         if row.mode == "ddp":
             g = opts[0].grad(torch.cat([x for x, _ in batches]), torch.cat([y for _, y in batches]))
             opts[0].moments(clip(g, cfg.grad_clip))
@@ -157,21 +165,31 @@ def eval_loss(regime: Regime, flat: torch.Tensor, tokens: torch.Tensor) -> float
 
 
 QUICK = CONVERGENCE_PROFILES["quick"]  # the convergence benchmark's quick setup: model, steps, lr, corpus
-PROFILES = ("quick", "full")
+PROFILES = ("quick", "full", "batch")
 H_SWEEP = (1, 2, 5, 10, 40)
 FULL_SEEDS = (0, 1, 2)
+BATCHES = (16, 64, 256)  # sequences per worker, the batch profile
 
 
 def rows_for(profile: str, *, workers: int = 8) -> list[Row]:
     """quick: the H sweep on the convergence benchmark's quick setup (160 steps of 16 sequences per
     worker), one seed; full: the sweep with three seeds (each its own init and batches: a single
     run's loss moves by about 1% with float rounding alone), then ddp, average 1 and average 40 at 4x
-    the steps and at 4x the batch."""
+    the steps and at 4x the batch; batch: ddp, alone, average 40 and average once at the end, at each
+    of BATCHES sequences per worker (the same steps and lr; seed 0)."""
     if profile not in PROFILES:
-        raise ValueError(f"unknown profile {profile!r}: pick {' or '.join(PROFILES)}")
+        raise ValueError(f"unknown profile {profile!r}: pick {', '.join(PROFILES)}")
     inner = InnerConfig(lr=QUICK.lr, warmup_steps=QUICK.warmup_steps)
     base = Regime(f"{QUICK.steps_per_worker} steps x {inner.batch_size} sequences per worker", QUICK.model, inner,
                   workers, steps=QUICK.steps_per_worker)
+    if profile == "batch":
+        rows = []
+        for b in BATCHES:
+            regime = dataclasses.replace(base, name=f"{base.steps} steps x {b} sequences per worker",
+                                         inner=inner.model_copy(update={"batch_size": b}))
+            rows += [Row(regime, "ddp"), Row(regime, ALONE), Row(regime, "average", 40),
+                     Row(regime, "average", base.steps)]
+        return rows
     rows = []
     for seed in (FULL_SEEDS if profile == "full" else (0,)):
         regime = dataclasses.replace(base, seed=seed)
@@ -217,7 +235,7 @@ def run(*, profile: str = "quick", out: Path = Path("bench-results/averaging"), 
     (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
     (out / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
     write_markdown(results, out / "results.md", workers=workers)
-    plot(results, out / "ratio.png")
+    (plot_batch if profile == "batch" else plot)(results, out / "ratio.png")
     return results
 
 
@@ -247,6 +265,34 @@ def write_markdown(results: list[dict], path: Path, *, workers: int) -> None:
         lines.append(f"| {r['regime']} | {r['row']} | {r['seeds']} | {r['eval_loss']:.3f} | {ratio} | {spread} | "
                      f"{r['wall_s']:.0f} |")
     path.write_text("\n".join(lines) + "\n")
+
+
+def plot_batch(results: list[dict], path: Path) -> None:
+    """The batch profile: eval loss / ddp's against the sequences per worker, a line per row."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lines = summarise(results)
+    batch = {r["regime"]: r["batch_per_worker"] for r in results}
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name in dict.fromkeys(r["row"] for r in lines if r["mode"] != "ddp"):
+        pts = sorted((batch[r["regime"]], r["ratio"]) for r in lines if r["row"] == name and r["ratio"] is not None)
+        ax.plot(*zip(*pts), marker="o", label={ALONE: "worker 0 alone"}.get(name, name))
+    ax.axhline(1.0, color="black", linewidth=1, label="ddp")
+    ax.axhline(1.02, color="grey", linestyle="--", linewidth=1, label="ddp + 2%")
+    ax.set_xscale("log")
+    sizes = sorted(set(batch.values()))
+    ax.set_xticks(sizes, [str(b) for b in sizes])
+    ax.set_xlabel("sequences per worker per step (ddp: x workers)")
+    ax.set_ylabel("eval loss / ddp's")
+    ax.set_title(f"averaging AdamW workers at larger batches ({results[0]['steps']} steps)", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def plot(results: list[dict], path: Path) -> None:

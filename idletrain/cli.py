@@ -486,7 +486,7 @@ def cmd_bench_averaging(args: argparse.Namespace) -> int:
     from bench.averaging import PROFILES, run
 
     if args.profile not in PROFILES:
-        return _fail(f"unknown profile {args.profile!r}: pick {' or '.join(PROFILES)}")
+        return _fail(f"unknown profile {args.profile!r}: pick {', '.join(PROFILES)}")
     if args.workers < 2:
         return _fail("--workers must be at least 2")
     if args.threads is not None and args.threads < 1:
@@ -729,7 +729,9 @@ def build_parser() -> argparse.ArgumentParser:
     avg = bench.add_parser("averaging", help="where averaging AdamW workers loses against ddp: workers in "
                                              "lock-step against oracles only every-step communication could know")
     avg.add_argument("--profile", default="quick", help="quick (the H sweep, one seed: ~9 min on one core) or full "
-                                                        "(three seeds, 4x the steps, 4x the batch: ~42 min)")
+                                                        "(three seeds, 4x the steps, 4x the batch: ~42 min) or batch "
+                                                        "(ddp, one worker alone, averaging every 40 steps and once, "
+                                                        "at 16, 64, 256 sequences per worker: ~60 min)")
     avg.add_argument("--out", default=None, help="output folder (default bench-results/averaging-PROFILE)")
     avg.add_argument("--workers", type=int, default=8)
     avg.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from bench.averaging import FULL_SEEDS, H_SWEEP, MODES, FlatAdamW, Regime, Row, clip, run, rows_for, train
+from bench.averaging import (ALONE, BATCHES, FULL_SEEDS, H_SWEEP, MODES, FlatAdamW, Regime, Row, clip, run,
+                             rows_for, train)
 from shared.algorithms.inner import make_optimizer
 from shared.config import InnerConfig
 from shared.data import sample_batch
@@ -89,6 +90,16 @@ def test_one_worker_averaging_is_plain_adamw(tokens):
         assert_same(train(Row(regime, mode, 2), tokens), alone, rtol=1e-5, atol=1e-7)
 
 
+def test_alone_is_worker_0_training_by_itself(tokens):
+    """The lone worker draws worker 0's batches: a one-worker ddp of the same regime, and not what
+    averaging (or another worker's stream) gives."""
+    regime = _regime()
+    alone = train(Row(regime, ALONE), tokens)
+    assert torch.equal(alone, train(Row(dataclasses.replace(regime, workers=1), "ddp"), tokens))
+    assert not torch.equal(alone, train(Row(regime, "average", 3), tokens))
+    assert Row(regime, ALONE).name == "alone"
+
+
 def test_the_gain_scales_the_average_up_where_workers_disagree(tokens):
     regime = _regime()
     start = torch.nn.utils.parameters_to_vector(build_model(TINY, seed=0).parameters()).detach()
@@ -122,6 +133,20 @@ def test_run_writes_every_row_against_its_own_ddp(tmp_path, tokens, monkeypatch)
     assert (tmp_path / "ratio.png").stat().st_size > 1000
 
 
+def test_the_batch_profile_plots_against_the_batch(tmp_path, tokens, monkeypatch):
+    pytest.importorskip("matplotlib")
+    base = _regime()
+    wider = dataclasses.replace(base, name="wider", inner=base.inner.model_copy(update={"batch_size": 8}))
+    rows = [Row(base, "ddp"), Row(base, ALONE), Row(base, "average", 6), Row(wider, "ddp"), Row(wider, ALONE),
+            Row(wider, "average", 6)]
+    monkeypatch.setattr("bench.averaging.load_corpus", lambda max_bytes: _Corpus(tokens))
+    results = run(profile="batch", out=tmp_path, rows=rows, threads=1, eval_tokens=2000)
+    assert [r["batch_per_worker"] for r in results] == [4, 4, 4, 8, 8, 8]
+    assert results[4]["loss_ratio_vs_ddp"] == round(results[4]["eval_loss"] / results[3]["eval_loss"], 4)
+    assert "| wider | alone | 1 |" in (tmp_path / "results.md").read_text()
+    assert (tmp_path / "ratio.png").stat().st_size > 1000
+
+
 class _Corpus:
     def __init__(self, tokens: torch.Tensor) -> None:
         self.train = tokens.numpy()
@@ -134,6 +159,10 @@ def test_profiles():
     assert quick[0].mode == "ddp" and len(quick) == sweep
     assert full[:sweep] == quick and len(full) == len(FULL_SEEDS) * sweep + 6
     assert {r.regime.seed for r in full} == set(FULL_SEEDS)
+    batch = rows_for("batch")
+    assert [r.regime.inner.batch_size for r in batch] == [b for b in BATCHES for _ in range(4)]
+    assert [r.name for r in batch[:4]] == ["ddp", "alone", "average H=40", f"average H={batch[0].regime.steps}"]
+    assert {r.regime.steps for r in batch} == {quick[0].regime.steps} and {r.regime.seed for r in batch} == {0}
     with pytest.raises(ValueError, match="unknown profile"):
         rows_for("huge")
 
