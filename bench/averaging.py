@@ -280,19 +280,8 @@ def plot_batch(results: list[dict], path: Path) -> None:
     for name in dict.fromkeys(r["row"] for r in lines if r["mode"] != "ddp"):
         pts = sorted((batch[r["regime"]], r["ratio"]) for r in lines if r["row"] == name and r["ratio"] is not None)
         ax.plot(*zip(*pts), marker="o", label={ALONE: "worker 0 alone"}.get(name, name))
-    ax.axhline(1.0, color="black", linewidth=1, label="ddp")
-    ax.axhline(1.02, color="grey", linestyle="--", linewidth=1, label="ddp + 2%")
-    ax.set_xscale("log")
-    sizes = sorted(set(batch.values()))
-    ax.set_xticks(sizes, [str(b) for b in sizes])
-    ax.set_xlabel("sequences per worker per step (ddp: x workers)")
-    ax.set_ylabel("eval loss / ddp's")
-    ax.set_title(f"averaging AdamW workers at larger batches ({results[0]['steps']} steps)", fontsize=10)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _finish(fig, ax, path, ticks=sorted(set(batch.values())), xlabel="sequences per worker per step (ddp: x workers)",
+            title=f"averaging AdamW workers at larger batches ({results[0]['steps']} steps)")
 
 
 def plot(results: list[dict], path: Path) -> None:
@@ -311,14 +300,21 @@ def plot(results: list[dict], path: Path) -> None:
             h, mean, lo, hi = zip(*pts)
             ax.errorbar(h, mean, yerr=[[m - a for m, a in zip(mean, lo)], [b - m for m, b in zip(mean, hi)]],
                         marker="o", capsize=3, label=mode)
+    _finish(fig, ax, path, ticks=sorted({r["H"] for r in results if r["regime"] == first and r["mode"] != "ddp"}),
+            xlabel="H: local steps between averages", title=f"averaging AdamW workers ({first})")
+
+
+def _finish(fig, ax, path: Path, *, ticks: list[int], xlabel: str, title: str) -> None:
+    """What both plots share: the ddp and ddp + 2% lines, a log x axis with these ticks, the file."""
+    import matplotlib.pyplot as plt
+
     ax.axhline(1.0, color="black", linewidth=1, label="ddp")
     ax.axhline(1.02, color="grey", linestyle="--", linewidth=1, label="ddp + 2%")
     ax.set_xscale("log")
-    sweep = sorted({r["H"] for r in results if r["regime"] == first and r["mode"] != "ddp"})
-    ax.set_xticks(sweep, [str(h) for h in sweep])
-    ax.set_xlabel("H: local steps between averages")
+    ax.set_xticks(ticks, [str(t) for t in ticks])
+    ax.set_xlabel(xlabel)
     ax.set_ylabel("eval loss / ddp's")
-    ax.set_title(f"averaging AdamW workers ({first})", fontsize=10)
+    ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
