@@ -18,10 +18,16 @@ from tests.conftest import PG_URL, postgres_reason
 
 
 def _bench(out, *extra: str, duration_s: float = 2) -> dict:
-    rc = main(["bench", "load", "--model", "small", "--workers", "3", "--think-s", "0.1", "--duration-s",
-               str(duration_s), "--warmup-s", "0.5", "--shards", "200", "--out", str(out), *extra])
-    assert rc == 0
-    return json.loads((out / "results.json").read_text())
+    """One N = 3 run; once more with a window 5x as long when a kind of request got no sample (on a
+    machine starved by other work, 2 s can pass before the first lease completes)."""
+    for window in (duration_s, 5 * duration_s):
+        rc = main(["bench", "load", "--model", "small", "--workers", "3", "--think-s", "0.1", "--duration-s",
+                   str(window), "--warmup-s", "0.5", "--shards", "200", "--out", str(out), *extra])
+        assert rc == 0
+        res = json.loads((out / "results.json").read_text())
+        if all(res["rows"][0][kind]["n"] > 0 for kind in ("lease", "shard", "upload")):
+            break
+    return res
 
 
 def _check(res: dict, out, *, pull: str) -> None:
