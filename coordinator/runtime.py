@@ -127,7 +127,9 @@ class RunRuntime:
         if self.snapshot_cost_s < self.SNAPSHOT_FREE_S:
             return True
         now = time.monotonic() if now is None else now
-        return now - self.snapshot_done_at >= self.snapshot_cost_s * (1.0 / duty - 1.0)
+        # a microsecond's slack: `now - done_at` loses bits at a large monotonic clock, and the rule
+        # must hold at its own boundary (cost exactly `duty` of the time) whatever the clock reads
+        return now - self.snapshot_done_at >= self.snapshot_cost_s * (1.0 / duty - 1.0) - 1e-6
 
     def write_checkpoint(self) -> Path:
         """Atomically write the state as checkpoints/<version>.ckpt; keep the newest few."""

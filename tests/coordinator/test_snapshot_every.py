@@ -89,6 +89,11 @@ def test_costly_snapshots_keep_to_their_share_of_the_merger_time(tmp_path, open_
         rt.snapshot_cost_s, rt.snapshot_done_at = 10.0, time.monotonic()  # as if a 10 s snapshot just ended
         assert not rt.snapshot_allowed(0.2) and not rt.snapshot_allowed(0.2, now=rt.snapshot_done_at + 39.9)
         assert rt.snapshot_allowed(0.2, now=rt.snapshot_done_at + 40.0)  # 10 s is 20% of the 50 s since it began
+        done_at = rt.snapshot_done_at
+        for clock in (8188.908823716, 1e6 + 0.1, 3.3):  # the boundary holds whatever the monotonic clock reads
+            rt.snapshot_done_at = clock
+            assert rt.snapshot_allowed(0.2, now=clock + 40.0) and not rt.snapshot_allowed(0.2, now=clock + 39.9)
+        rt.snapshot_done_at = done_at
         assert rt.snapshot_allowed(1.0)
         workers = [api.register() for _ in range(2)]
         sent = []
