@@ -131,12 +131,8 @@ def train(row: Row, tokens: torch.Tensor) -> torch.Tensor:
         ramp = min(1.0, (t + 1) / cfg.warmup_steps) if cfg.warmup_steps else 1.0
         lr = ramp * scheduled_lr(cfg, tokens_done=t * per_step, schedule_tokens=r.steps * per_step)
         batches = [sample_batch(tokens, batch_size=cfg.batch_size, context=r.model.context, generator=g)
-                   for g in (gens[:1] if row.mode == ALONE else gens)]
-        if row.mode == ALONE:  # worker 0's own batches: the same stream as worker 0 of the other rows
-            opts[0].moments(clip(opts[0].grad(*batches[0]), cfg.grad_clip))
-            opts[0].step(lr)
-            continue
-        if row.mode == "ddp":
+                   for g in (gens[:1] if row.mode == ALONE else gens)]  # alone: worker 0's stream
+        if row.mode in ("ddp", ALONE):  # one AdamW on every batch drawn (alone: worker 0's only)
             g = opts[0].grad(torch.cat([x for x, _ in batches]), torch.cat([y for _, y in batches]))
             opts[0].moments(clip(g, cfg.grad_clip))
             opts[0].step(lr)
@@ -269,14 +265,9 @@ def write_markdown(results: list[dict], path: Path, *, workers: int) -> None:
 
 def plot_batch(results: list[dict], path: Path) -> None:
     """The batch profile: eval loss / ddp's against the sequences per worker, a line per row."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     lines = summarise(results)
     batch = {r["regime"]: r["batch_per_worker"] for r in results}
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = _figure()
     for name in dict.fromkeys(r["row"] for r in lines if r["mode"] != "ddp"):
         pts = sorted((batch[r["regime"]], r["ratio"]) for r in lines if r["row"] == name and r["ratio"] is not None)
         ax.plot(*zip(*pts), marker="o", label={ALONE: "worker 0 alone"}.get(name, name))
@@ -285,14 +276,9 @@ def plot_batch(results: list[dict], path: Path) -> None:
 
 
 def plot(results: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     first = results[0]["regime"]
     lines = summarise(results)
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = _figure()
     for mode in MODES[1:]:
         pts = sorted((r["H"], r["ratio"], r["ratio_min"], r["ratio_max"]) for r in lines
                      if r["regime"] == first and r["mode"] == mode)
@@ -302,6 +288,16 @@ def plot(results: list[dict], path: Path) -> None:
                         marker="o", capsize=3, label=mode)
     _finish(fig, ax, path, ticks=sorted({r["H"] for r in results if r["regime"] == first and r["mode"] != "ddp"}),
             xlabel="H: local steps between averages", title=f"averaging AdamW workers ({first})")
+
+
+def _figure():
+    """A new figure and axes for either plot (matplotlib drawn off-screen)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt.subplots(figsize=(7, 4.5))
 
 
 def _finish(fig, ax, path: Path, *, ticks: list[int], xlabel: str, title: str) -> None:
