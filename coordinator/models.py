@@ -91,11 +91,17 @@ class Lease(Base):
     state: Mapped[str] = mapped_column(String(16), default="active")  # active | expired | delivered | abandoned
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     deadline: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    # The network address the lease was granted to (its /64 for IPv6): leases per address are capped.
+    client: Mapped[str | None] = mapped_column(String(64), nullable=True, index=True)
+    # The local step the worker reported at its last renewal: a renewal must show progress.
+    progress_step: Mapped[int] = mapped_column(Integer, default=0)
 
 
 class DeltaRecord(Base):
     __tablename__ = "deltas"
-    __table_args__ = (UniqueConstraint("run_id", "seq"), Index("ix_deltas_queue", "run_id", "outcome", "seq"))
+    # ix_deltas_content: identical delta content is merged once per run (looked up by its hash)
+    __table_args__ = (UniqueConstraint("run_id", "seq"), Index("ix_deltas_queue", "run_id", "outcome", "seq"),
+                      Index("ix_deltas_content", "run_id", "sha256"))
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     run_id: Mapped[int] = mapped_column(ForeignKey("runs.id"))
     lease_id: Mapped[int] = mapped_column(ForeignKey("leases.id"), unique=True)
@@ -156,4 +162,19 @@ class Exchange(Base):
     body: Mapped[bytes] = mapped_column(LargeBinary)
     bytes_in: Mapped[int] = mapped_column(Integer)
     bytes_out: Mapped[int] = mapped_column(Integer)
+    at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class Refusal(Base):
+    """A request refused for the worker's own doing (a malformed or out-of-bounds delta or exchange,
+    a copied delta, ...): these count toward throttle and ban with the deltas rejected at merge
+    (coordinator/trust.py), so a worker cannot probe the screens for free."""
+
+    __tablename__ = "refusals"
+    __table_args__ = (Index("ix_refusals_worker", "worker_id", "id"),)
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id"))
+    worker_id: Mapped[int] = mapped_column(ForeignKey("workers.id"))
+    kind: Mapped[str] = mapped_column(String(16))  # delta | exchange | renew | ...
+    reason: Mapped[str] = mapped_column(Text)
     at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)

@@ -28,10 +28,11 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from coordinator import credit, queries, scheduler, timing, trust
 from coordinator.db import init_db, make_engine, make_sessionmaker
-from coordinator.errors import (Conflict, Forbidden, Gone, NotFound, RunUnrecoverable, TooManyRequests, Unauthorized,
-                                Unavailable, Unprocessable)
+from coordinator.errors import (Conflict, Forbidden, Gone, NotFound, RunUnrecoverable, ServiceError, TooManyRequests,
+                                Unauthorized, Unavailable, Unprocessable)
 from coordinator.leader import Leadership
-from coordinator.models import DeltaRecord, EvalResult, Exchange, Lease, ModelVersion, Run, Shard, Worker, utcnow
+from coordinator.models import (DeltaRecord, EvalResult, Exchange, Lease, ModelVersion, Refusal, Run, Shard, Worker,
+                                utcnow)
 from coordinator.ratelimit import RateLimiter
 from coordinator.runtime import RunRuntime
 from coordinator.settings import CoordinatorSettings
@@ -67,12 +68,19 @@ def _end_lease(s: Session, lease: Lease, state: str) -> None:
 
 
 def _judged_outcomes(s: Session | Connection, worker_id: int, cfg: RunConfig) -> list[tuple[str, str | None]]:
-    """(outcome, reason) of the worker's last trust.RECENT judged deltas, oldest first, those that
-    speak about the worker (trust.judged)."""
-    rows = s.execute(select(DeltaRecord.outcome, DeltaRecord.reason, DeltaRecord.staleness).where(
+    """(outcome, reason) of the worker's last trust.RECENT judged events, oldest first: its deltas
+    judged at merge that speak about the worker (trust.judged) and the requests refused for its own
+    doing (Refusal rows, outcome "rejected"), interleaved by time."""
+    rows = s.execute(select(DeltaRecord.outcome, DeltaRecord.reason, DeltaRecord.staleness,
+                            DeltaRecord.received_at).where(
         DeltaRecord.worker_id == worker_id, DeltaRecord.outcome != "queued")
         .order_by(DeltaRecord.seq.desc()).limit(trust.RECENT)).all()
-    return trust.judged(list(reversed(rows)), max_staleness=cfg.outer.max_staleness)
+    refused = s.execute(select(Refusal.reason, Refusal.at).where(Refusal.worker_id == worker_id)
+                        .order_by(Refusal.id.desc()).limit(trust.RECENT)).all()
+    events = [(_aware(at), 0, (outcome, reason, staleness)) for outcome, reason, staleness, at in rows]
+    events += [(_aware(at), 1, ("rejected", reason, None)) for reason, at in refused]
+    events.sort(key=lambda e: (e[0], e[1]))
+    return trust.judged([row for _, _, row in events[-trust.RECENT:]], max_staleness=cfg.outer.max_staleness)
 
 
 def _aware_or_none(dt: datetime | None) -> datetime | None:
@@ -476,6 +484,11 @@ class Coordinator:
             return_s = (_aware(rec.received_at) - _aware(lease.created_at)).total_seconds()
             w.credit = (w.credit or 0.0) + credit.delta_credit(rec.tokens, return_s=return_s,
                                                                lease_ttl_s=cfg.lease_ttl_s)
+        self._judge(s, w, cfg)
+
+    @staticmethod
+    def _judge(s: Session, w: Worker, cfg: RunConfig) -> None:
+        """Update `w`'s standing from its recent judged events (coordinator/trust.py)."""
         verdict = trust.standing(_judged_outcomes(s, w.id, cfg), current=w.standing, cfg=cfg.robust)
         if verdict.state != w.standing:
             log.warning("run %s: worker %d is now %s: %s", cfg.name, w.id, verdict.state, verdict.reason)
@@ -727,29 +740,32 @@ class Coordinator:
         if lease.state == "abandoned":
             raise Gone(f"lease {lease_id} was given up when this worker took a newer lease")
         cfg = RunConfig.model_validate_json(lease.config_json)
+
+        def refuse(error: type[ServiceError], message: str, *, judged: bool = True) -> ServiceError:
+            """Count the refusal (against the worker's standing when it was its own doing) and
+            return the error to raise."""
+            self._count_rejection(worker.id, lease.run_id, len(body), reason=message if judged else None)
+            return error(message)
+
         try:
             # the codec's every check (decode_flat's), without building the delta: the merger decodes it
             with timing.phase("validate"):
                 delta = codec.check_flat(body, schema=self.schema_of(lease.run_id))
         except DeltaFormatError as exc:
-            self._count_rejection(worker.id, lease.run_id, len(body))
-            raise Unprocessable(f"delta refused: {exc}") from None
+            raise refuse(Unprocessable, f"delta refused: {exc}") from None
         if delta.base_version != lease.base_version:
-            self._count_rejection(worker.id, lease.run_id, len(body))
-            raise Unprocessable(f"delta says base version {delta.base_version}, "
-                                f"but lease {lease_id} handed out version {lease.base_version}")
+            raise refuse(Unprocessable, f"delta says base version {delta.base_version}, "
+                                        f"but lease {lease_id} handed out version {lease.base_version}")
         if cfg.algorithm != "sparta" and not delta.n_entries:
-            self._count_rejection(worker.id, lease.run_id, len(body))
-            raise Unprocessable(f"run {lease.run_name!r} uses {cfg.algorithm}: a round ends with its pseudo-gradient, "
-                                "not an empty delta")
+            raise refuse(Unprocessable, f"run {lease.run_name!r} uses {cfg.algorithm}: a round ends with its "
+                                        "pseudo-gradient, not an empty delta")
         if cfg.algorithm == "sparta" and delta.n_entries:
-            self._count_rejection(worker.id, lease.run_id, len(body))
-            raise Unprocessable(f"run {lease.run_name!r} uses sparta: a round ends with an empty delta (its progress "
-                                f"travels through exchanges), not one of {delta.n_entries} entries")
+            raise refuse(Unprocessable, f"run {lease.run_name!r} uses sparta: a round ends with an empty delta (its "
+                                        f"progress travels through exchanges), not one of {delta.n_entries} entries")
         if lease.run_version - lease.base_version > cfg.outer.max_staleness:
-            self._count_rejection(worker.id, lease.run_id, len(body))
-            raise Gone(f"lease {lease_id} is {lease.run_version - lease.base_version} versions stale, "
-                       f"above the run's limit of {cfg.outer.max_staleness}; take a new lease")
+            # the coordinator's queue, not the worker's doing: counted, but not against its standing
+            raise refuse(Gone, f"lease {lease_id} is {lease.run_version - lease.base_version} versions stale, "
+                               f"above the run's limit of {cfg.outer.max_staleness}; take a new lease", judged=False)
         tokens = scheduler.round_tokens(steps=cfg.inner.steps, batch_size=cfg.inner.batch_size,
                                         context=cfg.model.context)
         # Bytes first, durably, under a name of their lease and content, before the serial section:
@@ -921,11 +937,24 @@ class Coordinator:
         """_own_lease on a Core connection: the lease's row (queries.LEASE_OF's columns)."""
         return self._owned(c.execute(queries.LEASE_OF, {"lease": lease_id}).first(), lease_id, worker)
 
-    def _count_rejection(self, worker_id: int, run_id: int, size: int) -> None:
+    def _count_rejection(self, worker_id: int, run_id: int, size: int, *, reason: str | None = None,
+                         kind: str = "delta") -> None:
+        """Count a refused request of `worker_id`: a refused delta in its deltas_rejected, and, given a
+        `reason` (the refusal was the worker's own doing, not e.g. the coordinator's queue), a Refusal
+        row that counts toward throttle and ban like a delta rejected at merge (its standing is
+        judged again here). Its bytes are counted as traffic all the same."""
         with self.sessions() as s:
-            s.execute(update(Worker).where(Worker.id == worker_id).values(deltas_rejected=Worker.deltas_rejected + 1))
-            s.commit()
-        self.traffic.add(run_id, worker_id, up=size)  # the bytes came all the same (coordinator/traffic.py)
+            w = s.get(Worker, worker_id)
+            if w is not None:
+                if kind == "delta":
+                    w.deltas_rejected += 1
+                if reason is not None:
+                    s.add(Refusal(run_id=run_id, worker_id=worker_id, kind=kind, reason=reason[:1000]))
+                    s.flush()
+                    self._judge(s, w, RunConfig.model_validate_json(s.get(Run, run_id).config_json))
+                s.commit()
+        if size:
+            self.traffic.add(run_id, worker_id, up=size)  # the bytes came all the same (coordinator/traffic.py)
 
     # -- evaluation ---------------------------------------------------------------------------
 
