@@ -7,9 +7,27 @@ An empty bucket answers how long until the next token, which becomes a 429's Ret
 
 from __future__ import annotations
 
+import ipaddress
 import threading
 import time
 from collections.abc import Callable, Hashable
+
+
+def client_key(host: str | None) -> str:
+    """The key a client address is counted under: an IPv4 address itself, an IPv6 address by its /64
+    (one home connection gets a whole /64, so its single addresses cost an attacker nothing), anything
+    else (a test client's name, a unix socket) as it is; "?" when unknown."""
+    if not host:
+        return "?"
+    try:
+        addr = ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return host[:64]
+    if isinstance(addr, ipaddress.IPv6Address):
+        if addr.ipv4_mapped is not None:
+            return str(addr.ipv4_mapped)
+        return str(ipaddress.IPv6Network((addr, 64), strict=False))
+    return str(addr)
 
 
 class RateLimiter:
