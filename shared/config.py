@@ -100,6 +100,32 @@ class RobustConfig(_Strict):
                                                         "rejected from the first delta on; 0 disables")
     min_cosine: float = Field(-0.1, ge=-1, le=1, description="deltas pointing further against the outer "
                                                              "momentum than this cosine are rejected")
+    # Honest deltas measured 0.88-0.97 against the outer momentum (tests/coordinator/test_poisoned.py's run);
+    # a random direction has cosine ~0 (+-1/sqrt(k) on k values). Only deltas above the median norm must
+    # agree: a random one is then at most a median-sized nudge, however it is crafted.
+    min_agreement: float = Field(0.05, ge=-1, le=1, description="deltas above the median norm with a cosine to the "
+                                                                "outer momentum below this are rejected")
+    min_workers: int = Field(4, ge=1, le=100_000, description="distinct workers whose norms must be known before "
+                                                              "norms are judged against their median")
+    # An honest round moves an element by at most ~H * lr (Adam's per-step step is ~lr; measured up to
+    # 1.09 H lr on the test model); 3x leaves room for Adam's overshoot after a gradient spike and for a
+    # refused round carried over in the error-feedback residual. Sparse compression keeps unsent values
+    # for ~1/fraction rounds, so the bound grows by that.
+    element_factor: float = Field(3.0, ge=0, description="values above this x (steps * lr) are rejected from the "
+                                                         "first delta on; 0 disables")
+    # The coordinator's own reference round (RunRuntime.calibrate): honest deltas measured at most 0.92x it
+    # (tests/coordinator/test_poisoned.py's run, whose tiny model moves almost lr per element per step:
+    # the tightest case); 1.5x leaves them 60% to spare.
+    reference_factor: float = Field(1.5, ge=0, description="norms above this x the coordinator's own reference "
+                                                           "round are rejected from the first delta on; 0 disables")
+    reference_steps: int = Field(4, ge=1, le=1000, description="local AdamW steps of the reference round (scaled up "
+                                                               "to the round's steps)")
+    # A new worker's first round under warm-up (50 steps) moves 4% of a warmed-up one at H=3: 1% leaves room.
+    min_norm_ratio: float = Field(0.01, ge=0, lt=1, description="norms below this x the median (or 1/10 of it x the "
+                                                                "reference) are no round's work: rejected")
+    # 8 slowed the clean test run's loss from 2.83 to 3.34 (every worker is new at first); 4 costs nothing there.
+    ramp: int = Field(4, ge=1, le=10_000, description="a worker's merge weight is min(1, (its merged deltas + 1) / "
+                                                      "ramp): a new token's influence grows with its record")
     throttle_after: int = Field(2, ge=1, description="rejections among a worker's last 8 deltas that throttle it")
     ban_after: int = Field(4, ge=1, description="rejections among a worker's last 8 deltas that ban it")
 

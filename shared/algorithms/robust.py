@@ -1,24 +1,41 @@
-"""Robust merging: screen each delta before the merge rule folds it in.
+"""Robust merging: screen each delta (and each sparse exchange) before it reaches the model.
 
 Volunteers' deltas are untrusted. Before a delta reaches `outer.apply_delta` the coordinator
-compares it with what honest rounds have looked like recently:
+compares it with what an honest round can look like and with what honest rounds have looked like:
 
-    norm     = ||delta values||
-    median   = the median norm of the last `window` merged deltas
+    norm     = ||delta values||,  peak = max |value|
+    median   = the median over recent workers of each worker's median norm (Norms: each worker
+               counts once, so no single token sets what counts as normal)
     cosine   = cos(delta, m) on the delta's support, m = the outer momentum (the recent
-               consensus direction; zero until the first momentum step)
+               consensus direction); until the momentum has one, the coordinator's own reference
+               round's pseudo-gradient
 
-    norm > bound_factor * H * lr * sqrt(n)  -> rejected: more than H AdamW steps of peak lr can
-                                              move n parameters (Adam moves each by about lr per
-                                              step at most), whatever the history says
-    norm > reject_factor * median          -> rejected ("too large")
-    cosine < min_cosine                    -> rejected ("points against the consensus")
-    norm > clip_factor * median            -> merged, scaled down to clip_factor * median
-    otherwise                              -> merged as sent
+  from the first delta on:
+    peak > element_factor * H * lr (/ fraction)  -> rejected: Adam moves an element by about lr per
+                                                    step; sparse compression keeps unsent values
+                                                    ~1/fraction rounds
+    norm > bound_factor * H * lr * sqrt(n)       -> rejected (the same, for every element at once)
+    norm > reference_factor * reference          -> rejected: the coordinator's own round of AdamW
+                                                    steps on the run's data, scaled up to H steps
+    norm == 0, or < min_norm_ratio / 10 * reference -> rejected: no round's work ("too small")
+    cosine < min_cosine                          -> rejected ("points against the consensus")
+  while fewer than min_workers distinct workers (or min_history norms) are known:
+    norm > EARLY_SHARE * reference and cosine < min_agreement -> rejected: large and not along
+                                                    the consensus (the reference stands in for the median)
+  once min_workers distinct workers (and min_history norms) are known:
+    norm < min_norm_ratio * median               -> rejected ("too small")
+    norm > reject_factor * median                -> rejected ("too large")
+    norm > median and cosine < min_agreement     -> rejected: large and not along the consensus (a
+                                                    random direction has cosine ~0)
+    norm > clip_factor * median                  -> merged, scaled down to clip_factor * median
+    otherwise                                    -> merged as sent
 
-Until `min_history` norms are known only the bound applies, so even the first delta of a run
-cannot blow the model up. The history is part of the run's checkpointed state, so a replay after a
-restart takes exactly the same decisions.
+A worker's merge weight also ramps up with its record (ramp_weight): a new token's first deltas
+count 1/ramp, 2/ramp, ... of a full one. Exchanges (sparta) are screened alike (decide_exchange):
+each value's distance from the centre against how far honest training can have moved it, and the
+distance norm against recent exchanges, each worker once. All of it (Norms, the ramp's counts,
+the reference) is part of the run's checkpointed state, so a replay after a restart takes exactly
+the same decisions.
 """
 
 from __future__ import annotations
@@ -32,6 +49,11 @@ import torch
 
 from shared.codec import Delta, FlatDelta
 from shared.config import RobustConfig
+
+PER_WORKER = 8  # norms of a worker's recent deltas (or exchanges) kept: its own median
+# Before a median of workers exists, a delta above this share of the reference round's norm must agree
+# with the consensus (the reference round's direction until the momentum has one)
+EARLY_SHARE = 0.5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,43 +118,204 @@ def adam_bound(*, steps: int, lr: float, n_params: int) -> float:
     return steps * lr * math.sqrt(n_params)
 
 
-def screen(delta: Delta, *, history: Sequence[float], reference: Mapping[str, torch.Tensor] | None,
-           cfg: RobustConfig, bound: float | None = None) -> Verdict:
+def max_abs(delta: Delta) -> float:
+    """The largest |value| a delta sends (0 for an empty one; nan if any value is nan)."""
+    peaks = [float(np.max(np.abs(np.asarray(e.values, dtype=np.float64)))) for e in delta.entries if len(e.values)]
+    return max(peaks, default=0.0) if not any(math.isnan(p) for p in peaks) else math.nan
+
+
+def flat_max_abs(delta: FlatDelta) -> float:
+    """max_abs for a FlatDelta."""
+    parts = [np.asarray(delta.values, dtype=np.float64)] + [np.asarray(d, dtype=np.float64) for _, d in delta.dense]
+    peaks = [float(np.max(np.abs(p))) for p in parts if p.size]
+    return max(peaks, default=0.0) if not any(math.isnan(p) for p in peaks) else math.nan
+
+
+def element_bound(*, steps: int, lr: float, fraction: float = 1.0) -> float:
+    """How far one round of `steps` AdamW steps at `lr` moves one element, about: Adam's step is
+    ~lr per element. A sparse round (a `fraction` of the elements sent, the rest kept by error
+    feedback) may carry an element's last ~1/fraction rounds at once."""
+    return steps * lr / fraction
+
+
+class Norms:
+    """Recent norms per worker, each worker's newest last, the most recently seen worker last; at
+    most `window` workers and PER_WORKER norms each. The median counts each worker once (the
+    median of the workers' own medians), so one token cannot set what counts as normal.
+
+    Keys are strings (they travel as JSON in the checkpoint): a worker's id, or a pseudo-worker
+    per delta where the worker is not known (each such norm then counts as its own worker)."""
+
+    def __init__(self, by_worker: Mapping[str, Sequence[float]] | None = None) -> None:
+        self.by_worker: dict[str, list[float]] = {k: list(v) for k, v in (by_worker or {}).items()}
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Norms) and self.by_worker == other.by_worker
+
+    def __repr__(self) -> str:
+        return f"Norms({self.by_worker!r})"
+
+    def copy(self) -> Norms:
+        return Norms(self.by_worker)
+
+    def __len__(self) -> int:
+        return sum(len(v) for v in self.by_worker.values())
+
+    def add(self, worker: str, norm: float, cfg: RobustConfig) -> None:
+        norms = self.by_worker.pop(worker, [])
+        norms.append(norm)
+        self.by_worker[worker] = norms[-PER_WORKER:]
+        while len(self.by_worker) > cfg.window:
+            del self.by_worker[next(iter(self.by_worker))]
+
+    def median(self) -> tuple[float, int]:
+        """(the median over workers of each worker's median norm, how many workers); (0, 0) if none."""
+        if not self.by_worker:
+            return 0.0, 0
+        own = [float(np.median(np.asarray(v, dtype=np.float64))) for v in self.by_worker.values()]
+        return float(np.median(np.asarray(own, dtype=np.float64))), len(own)
+
+    def to_json(self) -> list:
+        return [[k, v] for k, v in self.by_worker.items()]  # a list: the order is the recency
+
+    @classmethod
+    def from_json(cls, raw: list) -> Norms:
+        return cls({str(k): [float(x) for x in v] for k, v in raw})
+
+
+def _as_norms(history: Sequence[float] | Norms, cfg: RobustConfig) -> Norms:
+    """A plain list of norms (no workers known): each norm its own worker, the last `window` of them."""
+    if isinstance(history, Norms):
+        return history
+    return Norms({f"#{i}": [float(x)] for i, x in enumerate(list(history)[-cfg.window:])})
+
+
+def ramp_weight(merged: int, cfg: RobustConfig) -> float:
+    """The share of a full merge weight a worker's next delta gets, after `merged` merged deltas."""
+    if not cfg.enabled:
+        return 1.0
+    return min(1.0, (merged + 1) / cfg.ramp)
+
+
+def screen(delta: Delta, *, history: Sequence[float] | Norms, reference: Mapping[str, torch.Tensor] | None,
+           cfg: RobustConfig, bound: float | None = None, elements: float | None = None,
+           reference_norm: float | None = None) -> Verdict:
     """Decide what to do with one delta (pure: the caller records the outcome and the history).
 
-    bound: adam_bound() of the run's round (None: no absolute bound)."""
+    bound: adam_bound() of the run's round (None: no absolute bound); elements: element_bound() of it
+    (None: no per-element bound); reference_norm: the coordinator's own reference round's norm."""
     norm, cosine = delta_stats(delta, reference)
-    return decide(norm, cosine, history=history, cfg=cfg, bound=bound)
+    return decide(norm, cosine, history=history, cfg=cfg, bound=bound, peak=max_abs(delta), elements=elements,
+                  reference_norm=reference_norm)
 
 
-def decide(norm: float, cosine: float | None, *, history: Sequence[float], cfg: RobustConfig,
-           bound: float | None = None) -> Verdict:
-    """screen's decision from a delta's (norm, cosine): see delta_stats / flat_delta_stats."""
-    if not math.isfinite(norm):
-        return Verdict("reject", 0.0, norm, cosine, "its norm is not finite")
-    if cfg.enabled and bound is not None and cfg.bound_factor > 0 and norm > cfg.bound_factor * bound:
-        return Verdict("reject", 0.0, norm, cosine,
-                       f"norm {norm:.4g} is {norm / bound:.1f}x what a round of AdamW steps can move "
-                       f"(limit {cfg.bound_factor:g}x)")
-    if not cfg.enabled or len(history) < cfg.min_history or norm == 0.0:
+def decide(norm: float, cosine: float | None, *, history: Sequence[float] | Norms, cfg: RobustConfig,
+           bound: float | None = None, peak: float | None = None, elements: float | None = None,
+           reference_norm: float | None = None) -> Verdict:
+    """screen's decision from a delta's (norm, cosine) and its largest |value| `peak`: see
+    delta_stats / flat_delta_stats / max_abs. `history`: Norms, or a plain list of norms (each
+    counted as its own worker)."""
+    def reject(reason: str) -> Verdict:
+        return Verdict("reject", 0.0, norm, cosine, reason)
+
+    if not math.isfinite(norm) or (peak is not None and not math.isfinite(peak)):
+        return reject("its norm is not finite")
+    if not cfg.enabled:
         return Verdict("accept", 1.0, norm, cosine, None)
-    median = float(np.median(np.asarray(history[-cfg.window:], dtype=np.float64)))
-    if median > 0 and norm > cfg.reject_factor * median:
-        return Verdict("reject", 0.0, norm, cosine,
-                       f"norm {norm:.4g} is {norm / median:.1f}x the recent median {median:.4g} "
-                       f"(limit {cfg.reject_factor:g}x)")
+    if elements is not None and peak is not None and cfg.element_factor > 0 and peak > cfg.element_factor * elements:
+        return reject(f"a value of {peak:.4g} is {peak / elements:.1f}x what a round of AdamW steps moves one "
+                      f"element by (limit {cfg.element_factor:g}x)")
+    if bound is not None and cfg.bound_factor > 0 and norm > cfg.bound_factor * bound:
+        return reject(f"norm {norm:.4g} is {norm / bound:.1f}x what a round of AdamW steps can move "
+                      f"(limit {cfg.bound_factor:g}x)")
+    if reference_norm and cfg.reference_factor > 0 and norm > cfg.reference_factor * reference_norm:
+        return reject(f"norm {norm:.4g} is {norm / reference_norm:.1f}x the coordinator's own reference round "
+                      f"of AdamW steps (limit {cfg.reference_factor:g}x)")
+    if norm == 0.0:
+        return reject("too small: all its values are zero, which is no round's work")
+    if reference_norm and norm < cfg.min_norm_ratio / 10 * reference_norm:
+        return reject(f"too small: norm {norm:.4g} is {norm / reference_norm:.2g}x the coordinator's own reference "
+                      f"round, which is no round's work (limit {cfg.min_norm_ratio / 10:g}x)")
     if cosine is not None and cosine < cfg.min_cosine:
-        return Verdict("reject", 0.0, norm, cosine,
-                       f"points against the recent consensus (cosine {cosine:.3f} < {cfg.min_cosine:g})")
-    if median > 0 and norm > cfg.clip_factor * median:
+        return reject(f"points against the recent consensus (cosine {cosine:.3f} < {cfg.min_cosine:g})")
+    norms = _as_norms(history, cfg)
+    median, n_workers = norms.median()
+    if len(norms) < cfg.min_history or n_workers < cfg.min_workers or median <= 0:
+        # No median yet: half the reference round stands in for it (honest rounds measured up to 0.92x
+        # the reference), and a delta above it must agree with the consensus, as above the median later.
+        early = EARLY_SHARE * reference_norm if reference_norm else None
+        if early is not None and norm > early and cosine is not None and cosine < cfg.min_agreement:
+            return reject(f"does not agree with the consensus: norm {norm:.4g} is {norm / reference_norm:.2f}x the "
+                          f"coordinator's own reference round with cosine {cosine:.3f} (at least "
+                          f"{cfg.min_agreement:g} needed above {EARLY_SHARE:g}x while fewer than {cfg.min_workers} "
+                          "workers' norms are known)")
+        return Verdict("accept", 1.0, norm, cosine, None)
+    if norm < cfg.min_norm_ratio * median:
+        return reject(f"too small: norm {norm:.4g} is {norm / median:.2g}x the recent median {median:.4g} of "
+                      f"{n_workers} workers, which is no round's work (limit {cfg.min_norm_ratio:g}x)")
+    if norm > cfg.reject_factor * median:
+        return reject(f"norm {norm:.4g} is {norm / median:.1f}x the recent median {median:.4g} of {n_workers} "
+                      f"workers (limit {cfg.reject_factor:g}x)")
+    if norm > median and cosine is not None and cosine < cfg.min_agreement:
+        return reject(f"does not agree with the consensus: norm {norm:.4g} is {norm / median:.1f}x the workers' "
+                      f"median with cosine {cosine:.3f} (at least {cfg.min_agreement:g} needed above the median)")
+    if norm > cfg.clip_factor * median:
         scale = cfg.clip_factor * median / norm
         return Verdict("clip", scale, norm, cosine,
                        f"clipped: norm {norm:.4g} is {norm / median:.1f}x the recent median, scaled by {scale:.3f}")
     return Verdict("accept", 1.0, norm, cosine, None)
 
 
-def remember(history: list[float], verdict: Verdict, cfg: RobustConfig) -> None:
-    """Add a merged delta's norm to the history (rejected ones never shape what counts as normal)."""
-    if verdict.merged and verdict.norm > 0:
-        history.append(verdict.norm)
-        del history[:-cfg.window]
+def exchange_stats(sent: Delta, centre_at) -> tuple[float, float]:
+    """(norm, largest |value|) of an exchange's distance from the centre: sent values minus
+    centre_at(entry), the centre's values at the entry's indices."""
+    sq, peak = 0.0, 0.0
+    for e in sent.entries:
+        d = np.asarray(e.values, dtype=np.float64) - centre_at(e).numpy().astype(np.float64)
+        if d.size:
+            sq += float(np.add.reduce(d * d))
+            peak = max(peak, float(np.max(np.abs(d))))  # a nan makes the norm nan: refused as not finite
+    return math.sqrt(sq), peak
+
+
+def exchange_element_bound(*, steps: int, lr: float) -> float:
+    """How far an honest exchange's value can be from the centre, per element, after `steps` AdamW
+    steps in all (the run's steps so far plus those in flight): every replica and the centre start
+    at the same weights, each step moves a replica's element by ~lr, and mixing (convex) never moves
+    anything further out, so any two of them are within 2 * steps * lr of each other."""
+    return 2.0 * steps * lr
+
+
+def decide_exchange(norm: float, peak: float, *, history: Norms, cfg: RobustConfig, elements: float) -> Verdict:
+    """An exchange's verdict: accept or reject (an exchange is never clipped: its values are the
+    worker's weights, and the answer must be the correction to exactly them)."""
+    def reject(reason: str) -> Verdict:
+        return Verdict("reject", 0.0, norm, None, reason)
+
+    if not (math.isfinite(norm) and math.isfinite(peak)):
+        return reject("its distance from the global model is not finite")
+    if not cfg.enabled:
+        return Verdict("accept", 1.0, norm, None, None)
+    if cfg.element_factor > 0 and peak > cfg.element_factor * elements:
+        return reject(f"a value is {peak:.4g} from the global model, {peak / elements:.1f}x what the run's AdamW "
+                      f"steps so far can move an element apart (limit {cfg.element_factor:g}x)")
+    median, n_workers = history.median()
+    if len(history) >= cfg.min_history and n_workers >= cfg.min_workers and median > 0 \
+            and norm > cfg.reject_factor * median:
+        return reject(f"its distance from the global model, {norm:.4g}, is {norm / median:.1f}x the recent "
+                      f"median {median:.4g} of {n_workers} workers' exchanges (limit {cfg.reject_factor:g}x)")
+    return Verdict("accept", 1.0, norm, None, None)
+
+
+def remember(history: list[float] | Norms, verdict: Verdict, cfg: RobustConfig, *, worker: str | None = None) -> None:
+    """Add a merged delta's norm to the history (rejected ones never shape what counts as normal).
+    Norms need the worker's key (`worker`)."""
+    if not (verdict.merged and verdict.norm > 0):
+        return
+    if isinstance(history, Norms):
+        if worker is None:
+            raise ValueError("remember() into Norms needs the worker")
+        history.add(worker, verdict.norm, cfg)
+        return
+    history.append(verdict.norm)
+    del history[:-cfg.window]

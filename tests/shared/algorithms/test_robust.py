@@ -141,3 +141,121 @@ def test_flat_delta_stats_equal_delta_stats(seed):
     assert flat_delta_stats(fd, torch.zeros_like(flat_ref))[1] is None
     v = decide(*want, history=[want[0]] * 8, cfg=CFG)
     assert v == screen(d, history=[want[0]] * 8, reference=ref, cfg=CFG)
+
+
+# -- from the first delta on, and each worker once (issue 18's "Critical" items) ------------------
+
+from shared.algorithms.robust import (Norms, decide_exchange, element_bound, exchange_element_bound,  # noqa: E402
+                                      exchange_stats, max_abs, ramp_weight)
+
+DEFAULTS = RobustConfig()
+
+
+def test_element_bound_rejects_one_outsized_value_from_the_first_delta():
+    elements = element_bound(steps=10, lr=1e-3)  # 0.01 per element
+    assert elements == pytest.approx(0.01)
+    ok = screen(dense([0.02, -0.02, 0.001, 0]), history=[], reference=None, cfg=DEFAULTS, elements=elements)
+    assert ok.action == "accept"  # 2x: Adam's overshoot, a carried-over round
+    spike = screen(dense([0.05, 0, 0, 0]), history=[], reference=None, cfg=DEFAULTS, elements=elements)
+    assert spike.action == "reject" and "one element" in spike.reason
+    # sparse compression carries an element's unsent rounds: ~1/fraction of them
+    assert element_bound(steps=10, lr=1e-3, fraction=0.1) == pytest.approx(0.1)
+    assert max_abs(dense([0.5, -3.0])) == 3.0 and math.isnan(max_abs(dense([math.nan, 1.0])))
+
+
+def test_reference_round_bounds_the_norm_before_any_history():
+    ref = 1.0
+    assert screen(dense([1.4, 0, 0, 0]), history=[], reference=None, cfg=DEFAULTS, reference_norm=ref).merged
+    v = screen(dense([1.6, 0, 0, 0]), history=[], reference=None, cfg=DEFAULTS, reference_norm=ref)
+    assert v.action == "reject" and "reference round" in v.reason
+
+
+@pytest.mark.parametrize("values", [[0.0, 0, 0, 0], [1e-7, 0, 0, 0]])
+def test_too_small_is_no_rounds_work(values):
+    v = screen(dense(values), history=[], reference=None, cfg=DEFAULTS, reference_norm=1.0)
+    assert v.action == "reject" and "too small" in v.reason
+    # against the workers' median too, once it exists
+    norms = Norms({str(w): [1.0, 1.0] for w in range(4)})  # min_history 8, min_workers 4
+    v = screen(dense([0.005, 0, 0, 0]), history=norms, reference=None, cfg=DEFAULTS)
+    assert v.action == "reject" and "too small" in v.reason and "median" in v.reason
+    assert screen(dense([0.05, 0, 0, 0]), history=norms, reference=None, cfg=DEFAULTS).merged
+
+
+def test_the_median_counts_each_worker_once_and_needs_several():
+    norms = Norms()
+    for _ in range(50):  # one worker alone sets nothing, however many deltas it sends
+        norms.add("evil", 100.0, DEFAULTS)
+    assert norms.median() == (100.0, 1) and len(norms) == 8  # PER_WORKER kept
+    assert screen(dense([100.0, 0, 0, 0]), history=norms, reference=None, cfg=DEFAULTS).action == "accept"
+    for w in ("a", "b", "c"):
+        norms.add(w, 1.0, DEFAULTS)
+    assert norms.median()[1] == 4
+    # 1 of 4 workers cannot move the median of the workers' medians: the honest norm stays "normal"
+    assert norms.median()[0] == pytest.approx(1.0)
+    v = screen(dense([100.0, 0, 0, 0]), history=norms, reference=None, cfg=DEFAULTS)
+    assert v.action == "reject" and "median" in v.reason and "4 workers" in v.reason
+    # the window keeps the most recently seen workers
+    small = DEFAULTS.model_copy(update={"window": 2})
+    n2 = Norms()
+    for w in ("x", "y", "z"):
+        n2.add(w, 1.0, small)
+    assert list(n2.by_worker) == ["y", "z"]
+    assert Norms.from_json(norms.to_json()) == norms
+
+
+def test_a_random_direction_above_the_median_is_refused_an_aligned_one_clipped():
+    norms = Norms({str(w): [1.0, 1.0] for w in range(4)})  # min_history 8, min_workers 4
+    ref = {"w": torch.tensor([1.0, 1.0, 1.0, 1.0])}
+    random_dir = screen(dense([2.9, -2.9, 2.9, -2.9]), history=norms, reference=ref, cfg=DEFAULTS)  # cosine 0
+    assert random_dir.action == "reject" and "does not agree" in random_dir.reason
+    aligned = screen(dense([2.0, 2.0, 1.9, 2.1]), history=norms, reference=ref, cfg=DEFAULTS)
+    assert aligned.action == "clip" and aligned.cosine > 0.9
+    # below the median a weak agreement is not evidence of anything
+    assert screen(dense([0.4, -0.4, 0.4, -0.4]), history=norms, reference=ref, cfg=DEFAULTS).action == "accept"
+
+
+def test_the_consensus_test_applies_before_any_history():
+    v = screen(dense([-1.0, -1.0, 0, 0]), history=[], reference=REF, cfg=DEFAULTS)
+    assert v.action == "reject" and "consensus" in v.reason
+
+
+def test_ramp_weight_grows_with_the_record():
+    assert [ramp_weight(n, DEFAULTS) for n in range(6)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
+    assert ramp_weight(0, DEFAULTS.model_copy(update={"ramp": 1})) == 1.0
+    assert ramp_weight(0, DEFAULTS.model_copy(update={"enabled": False})) == 1.0
+
+
+def test_exchanges_are_bounded_per_element_and_against_the_workers_median():
+    centre = torch.zeros(4)
+    sent = Delta(0, (Entry("w", 4, IndexKind.SEEDED, ValueKind.FP32, np.array([0.01, -0.02], np.float32),
+                           np.array([0, 2], np.int64), 7),))
+    norm, peak = exchange_stats(sent, lambda e: centre[torch.from_numpy(e.indices)])
+    assert norm == pytest.approx(math.sqrt(0.01 ** 2 + 0.02 ** 2), rel=1e-6) and peak == pytest.approx(0.02)
+    elements = exchange_element_bound(steps=10, lr=1e-3)  # any two replicas within 2 * 10 * 1e-3
+    assert elements == pytest.approx(0.02)
+    assert decide_exchange(norm, peak, history=Norms(), cfg=DEFAULTS, elements=elements).merged
+    v = decide_exchange(60000.0, 60000.0, history=Norms(), cfg=DEFAULTS, elements=elements)  # the attack
+    assert v.action == "reject" and "AdamW" in v.reason
+    assert not decide_exchange(math.nan, 0.0, history=Norms(), cfg=DEFAULTS, elements=elements).merged
+    norms = Norms({str(w): [0.001, 0.001] for w in range(4)})
+    v = decide_exchange(0.05, 0.02, history=norms, cfg=DEFAULTS, elements=elements)
+    assert v.action == "reject" and "median" in v.reason
+    assert decide_exchange(0.005, 0.002, history=norms, cfg=DEFAULTS, elements=elements).merged
+
+
+@pytest.mark.parametrize("norm_share, cosine, merged", [
+    (0.95 * 1.5, 0.0, False),  # the early-fit burst: at the reference bound, a random direction
+    (0.9, 0.01, False),  # as large as an honest round, not along it
+    (0.9, 0.5, True),  # as large as an honest round, along it
+    (0.4, 0.0, True),  # below half the reference: no larger than noise of an honest size
+    (0.9, None, True),  # no consensus direction at all (no reference round either)
+])
+def test_before_a_median_a_large_delta_must_agree_with_the_reference(norm_share, cosine, merged):
+    """With no median of workers yet, half the coordinator's reference round stands in for it: above
+    it, a delta must point along the consensus (min_agreement), which is the reference round's own
+    direction until the outer momentum has one."""
+    reference = 2.0
+    v = decide(norm_share * reference, cosine, history=[], cfg=DEFAULTS, reference_norm=reference)
+    assert v.merged is merged, v
+    if not merged:
+        assert "consensus" in v.reason and "reference round" in v.reason
