@@ -13,7 +13,8 @@ The formula, in the manner of Folding@home's quick-return bonus (QRB):
     MAX_BONUS=4 reached at 1/64 of the deadline; it bounds what a very short round can earn
 
 Only deltas the merger accepts earn credit (a delta rejected at upload or at merge earns none; a
-clipped one still earns it in full), and it is awarded once, in the merger's transaction that
+clipped one still earns it in full; a sparta round's empty delta earns it for the share of its
+exchanges it made, `sparta_tokens`), and it is awarded once, in the merger's transaction that
 marks the delta merged (Coordinator.record_merge). Why reward speed: merging is asynchronous, so
 a delta that returns quickly lags fewer versions behind the global model and is weighted more
 (staleness weight (1+r)^-0.5); a slow round's tokens still count in full, at bonus 1.
@@ -38,6 +39,15 @@ def quick_return_bonus(*, return_s: float, lease_ttl_s: float) -> float:
     if return_s <= 0:  # clocks of one machine; a zero round still gets no more than the cap
         return MAX_BONUS
     return min(MAX_BONUS, max(1.0, math.sqrt(K * lease_ttl_s / return_s)))
+
+
+def sparta_tokens(tokens: int, *, exchanges_made: int, exchanges_expected: int) -> int:
+    """The tokens a sparta round's empty end-of-round delta stands for: its progress travelled only
+    through its exchanges, so the round's `tokens` count in the share of the exchanges it made
+    (none made: none count; an empty delta alone once earned a whole round's credit)."""
+    if exchanges_expected <= 0:
+        return 0
+    return tokens * min(max(0, exchanges_made), exchanges_expected) // exchanges_expected
 
 
 def delta_credit(tokens: int, *, return_s: float, lease_ttl_s: float) -> float:

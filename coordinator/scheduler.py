@@ -46,6 +46,22 @@ def is_expired(deadline: datetime, now: datetime) -> bool:
     return now >= deadline
 
 
+def lease_lifetime_s(round_times_s: Sequence[float], *, lease_ttl_s: float, rounds: float, cap_s: float) -> float:
+    """How long a lease may live in all, renewals included, in seconds: `rounds` times the run's
+    expected round (the 90th percentile of recent lease-to-delivery times, so a machine slower than
+    most still finishes; lease_ttl_s before any delivery), at most `cap_s`, and never less than
+    lease_ttl_s (what the lease gave at its grant). Without a cap a worker could hold a shard for
+    ever by renewing it: 58 tokens once held every shard of a run that way."""
+    times = sorted(t for t in round_times_s if t > 0)
+    expected = times[min(len(times) - 1, int(0.9 * len(times)))] if times else lease_ttl_s
+    return max(lease_ttl_s, min(cap_s, rounds * expected))
+
+
+def renewed_deadline(now: datetime, *, created_at: datetime, ttl_s: float, lifetime_s: float) -> datetime:
+    """A renewal's new deadline: ttl_s from now, but never past the lease's lifetime."""
+    return min(now + timedelta(seconds=ttl_s), created_at + timedelta(seconds=lifetime_s))
+
+
 def lease_seed(run_seed: int, lease_id: int) -> int:
     """A 63-bit seed per lease: the worker's sampling and random index selection derive from it."""
     digest = hashlib.blake2b(f"{run_seed}/{lease_id}".encode(), digest_size=8).digest()

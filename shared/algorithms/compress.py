@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import torch
@@ -54,6 +54,37 @@ def compress(tensors: Mapping[str, torch.Tensor], cfg: CompressionConfig, *, bas
             idx = np.sort(idx).astype(np.int64)
             entries.append(Entry(name, numel, IndexKind.PACKED, value_kind, flat[idx], idx))
     return Delta(base_version=base_version, entries=tuple(entries))
+
+
+INDEX_KINDS = {"dense": IndexKind.DENSE, "random": IndexKind.SEEDED, "topk": IndexKind.PACKED}
+
+
+def shape_mismatch(entries: Sequence[tuple[str, IndexKind, ValueKind, int, int, int | None]],
+                   schema: Mapping[str, tuple[int, ...]], cfg: CompressionConfig, *, round_seed: int) -> str | None:
+    """Why a delta's entries are not what `compress` makes of a whole model under `cfg` (None when
+    they are). `entries`: (name, index kind, value kind, numel, k, seed or None) of each, as
+    codec.check_flat reports them. `compress` sends every tensor once; dense: all its values;
+    topk: k_for(numel, fraction) packed indices of the sender's choice; random: the same k at the
+    seeded indices of tensor_seed(round_seed, name), whose seed only the lease knows. The value
+    kind is not held to cfg.values: a wider one costs its sender bytes, and changes nothing else.
+    Without this, one value of 1e-7 in a 71-byte delta was a round's work, and earned its credit."""
+    names = [e[0] for e in entries]
+    missing = [n for n in schema if n not in set(names)]
+    if missing:
+        return (f"a round's delta carries every tensor of the model ({len(schema)}); this one has {len(names)}, "
+                f"missing {missing[:3]}{' ...' if len(missing) > 3 else ''}")
+    want_kind = INDEX_KINDS[cfg.index]
+    for name, index_kind, _value_kind, numel, k, seed in entries:
+        want_k = numel if cfg.index == "dense" else k_for(numel, cfg.fraction)
+        if index_kind != want_kind:
+            return (f"{name}: {index_kind.name.lower()} indices, but the run's compression {cfg.index!r} sends "
+                    f"{want_kind.name.lower()} ones")
+        if k != want_k:
+            return (f"{name}: {k} values, but the run's compression ({cfg.index}, fraction {cfg.fraction:g}) "
+                    f"sends {want_k}")
+        if index_kind == IndexKind.SEEDED and seed != tensor_seed(round_seed, name):
+            return f"{name}: its indices are not the ones this lease's seed draws (random compression)"
+    return None
 
 
 def quantised(delta: Delta) -> Delta:

@@ -11,8 +11,9 @@
     entry: u16 name_len | name (utf-8) | u8 IndexKind | u8 ValueKind | u64 numel | u64 k
            | index section (indices.py) | value section (values.py)
 
-Decoding is bounded: the declared size is checked against the caller's cap before any
-decompression, decompression stops at the declared size, and every field is checked against
+Decoding is bounded: the declared size is checked against the caller's cap (and, for a
+volunteer's bytes, against MAX_UPLOAD_RATIO times the frame's size) before any decompression,
+decompression is one pass that stops at the declared size, and every field is checked against
 the model schema (names, numel, index ranges, finite values). Bytes from a volunteer are
 untrusted; nothing here uses pickle.
 """
@@ -98,15 +99,19 @@ def max_body_bytes(schema: Mapping[str, tuple[int, ...]]) -> int:
     return 12 + sum(per_entry + 4 * math.prod(shape) for shape in schema.values())
 
 
-def decode(buf: bytes, *, schema: Mapping[str, tuple[int, ...]], max_body: int | None = None) -> Delta:
-    """Envelope bytes -> Delta, checked against `schema` (name -> shape). Raises DeltaFormatError."""
-    raw = _open(buf, max_body_bytes(schema) if max_body is None else max_body)
+def decode(buf: bytes, *, schema: Mapping[str, tuple[int, ...]], max_body: int | None = None,
+           max_ratio: float | None = None) -> Delta:
+    """Envelope bytes -> Delta, checked against `schema` (name -> shape). Raises DeltaFormatError.
+    `max_ratio`: the most the declared body may be times the compressed frame (MAX_UPLOAD_RATIO for
+    a volunteer's bytes); None: only `max_body` (default: the schema's dense fp32 size) bounds it."""
+    raw = _open(buf, max_body_bytes(schema) if max_body is None else max_body, max_ratio)
     return _parse_body(memoryview(raw), schema)
 
 
-def _open(buf: bytes, cap: int) -> bytes:
-    """The body of an envelope: header checked (magic, version, declared size within `cap`), zstd
-    frame decompressed to exactly the declared size. Raises DeltaFormatError."""
+def _open(buf: bytes, cap: int, max_ratio: float | None = None) -> bytes:
+    """The body of an envelope: header checked (magic, version, declared size within `cap` and, given
+    `max_ratio`, within what its frame's size allows), zstd frame decompressed to exactly the
+    declared size in one bounded pass. Raises DeltaFormatError."""
     if len(buf) < HEADER.size:
         raise DeltaFormatError(f"delta of {len(buf)} bytes is shorter than its {HEADER.size}-byte header")
     magic, version, declared = HEADER.unpack_from(buf)
@@ -116,35 +121,54 @@ def _open(buf: bytes, cap: int) -> bytes:
         raise DeltaFormatError(f"unsupported delta format version {version} (this side speaks {FORMAT_VERSION})")
     if declared > cap:
         raise DeltaFormatError(f"declared body of {declared} bytes exceeds the cap of {cap} bytes")
+    frame_bytes = len(buf) - HEADER.size
+    if max_ratio is not None and declared > max(RATIO_FLOOR_BYTES, max_ratio * frame_bytes):
+        raise DeltaFormatError(f"declared body of {declared} bytes is more than {max_ratio:g} times its "
+                               f"{frame_bytes}-byte zstd frame; an honest delta compresses far less")
     return _decompress(memoryview(buf)[HEADER.size:], declared)
 
 
+# Volunteers' bytes (uploaded deltas, exchange bodies) may declare at most this many times their
+# compressed frame's size (`max_ratio`), checked before anything is allocated or decompressed: a
+# 3 KB frame of zeros can declare 100 MB, which cost the coordinator the memory and the CPU of
+# decompressing it (twice) before the body's checks refused it. Measured (2026-12-03, 5 AdamW
+# steps on widths 32 and 128, every index kind x value kind): honest deltas reach 1.02 (dense
+# int8) to 1.48 (random int4): their values are noise to zstd. 16 leaves a tenfold margin (a
+# delta would need ~94% of its bytes to be zeros to fail it, e.g. a round whose lr was 0: it
+# carries nothing); an attacker's 3 KB frame now costs at most max(1 MiB, 48 KB). Not for what
+# the coordinator sends: a model update is legitimately mostly zeros (a version that changed
+# 0.1% of the parameters), and the worker's own cap (the schema's dense size) bounds it.
+MAX_UPLOAD_RATIO = 16.0
+# Below this declared size the ratio is not checked: decompressing 1 MiB takes ~1 ms and 1 MiB of
+# memory, not worth refusing a small model's delta for (a test model's whole dense fp32 delta is
+# 88 KB, and a hand-built one of mostly zeros is honest enough), nor an empty sparta round, whose
+# 12-byte body sits in a 21-byte frame.
+RATIO_FLOOR_BYTES = 1 << 20
+
+
 def _decompress(frame: memoryview, declared: int) -> bytes:
+    """The frame's content, which must be exactly `declared` bytes, in one pass: never more than
+    `declared` bytes are allocated or produced (without a content size in the frame, zstd stops
+    as soon as its output would pass them), the frame must be complete (end mark and checksum
+    verified) and nothing may follow it."""
     try:
         params = zstandard.get_frame_parameters(frame)
     except zstandard.ZstdError as exc:
         raise DeltaFormatError(f"not a zstd frame: {exc}") from None
-    if params.content_size not in (zstandard.CONTENTSIZE_UNKNOWN, declared):
+    known = params.content_size != zstandard.CONTENTSIZE_UNKNOWN
+    if known and params.content_size != declared:
         raise DeltaFormatError(f"zstd frame says {params.content_size} bytes, header says {declared}")
-    reader = zstandard.ZstdDecompressor().stream_reader(frame, read_across_frames=False)
     try:
-        raw = reader.read(declared + 1)  # never more than one byte past the declared size
-        # A frame can end before its checksum is verified; read to the end to check it.
-        tail = reader.read(1) if len(raw) == declared else b""
+        # max_output_size 0 would mean "no limit": a declared size of 0 gets 1 and the check below
+        raw = zstandard.ZstdDecompressor().decompress(frame, max_output_size=max(1, declared),
+                                                      allow_extra_data=False)
     except zstandard.ZstdError as exc:
+        if not known and "did not decompress full frame" in str(exc):
+            raise DeltaFormatError(f"body decompresses to a size other than the declared {declared} bytes, or "
+                                   f"its zstd frame is cut short: {exc}") from None
         raise DeltaFormatError(f"corrupt zstd frame: {exc}") from None
-    if len(raw) != declared or tail:
+    if len(raw) != declared:
         raise DeltaFormatError(f"body decompresses to a size other than the declared {declared} bytes")
-    # The reader stops quietly when its input runs out, even mid-frame (a frame cut inside its
-    # checksum read as complete). The output is now known to be `declared` bytes, so a second,
-    # equally bounded pass can insist on reaching the end of the frame and its checksum.
-    dobj = zstandard.ZstdDecompressor().decompressobj()
-    try:
-        dobj.decompress(frame)
-    except zstandard.ZstdError as exc:
-        raise DeltaFormatError(f"corrupt zstd frame: {exc}") from None
-    if not dobj.eof:
-        raise DeltaFormatError("truncated zstd frame: it ends before its end mark or checksum")
     return raw
 
 
@@ -243,13 +267,13 @@ class FlatDelta:
 
 
 def decode_flat(buf: bytes, *, schema: Mapping[str, tuple[int, ...]], offsets: Mapping[str, int] | None = None,
-                max_body: int | None = None) -> FlatDelta:
+                max_body: int | None = None, max_ratio: float | None = None) -> FlatDelta:
     """Envelope bytes -> FlatDelta: what `decode` checks and returns, on global indices.
 
     The same checks as `decode` (a delta one refuses, the other refuses, with a DeltaFormatError),
     but SEEDED indices are regenerated for all entries at once (`seeded_indices_many`) and INT8
     values dequantised in one pass, instead of entry by entry."""
-    raw = _open(buf, max_body_bytes(schema) if max_body is None else max_body)
+    raw = _open(buf, max_body_bytes(schema) if max_body is None else max_body, max_ratio)
     return _parse_body_flat(memoryview(raw), schema, flat_offsets(schema) if offsets is None else offsets)
 
 
@@ -260,16 +284,20 @@ class DeltaSummary:
     base_version: int
     n_entries: int
     k: int
+    # (name, IndexKind, ValueKind, numel, k, seed or None) of each entry, in body order: what a
+    # receiver checks against what the sender was asked to send (the coordinator: the lease's compression)
+    entries: tuple[tuple[str, IndexKind, ValueKind, int, int, int | None], ...] = dataclasses.field(
+        default=(), compare=False)
 
 
 def check_flat(buf: bytes, *, schema: Mapping[str, tuple[int, ...]], offsets: Mapping[str, int] | None = None,
-               max_body: int | None = None) -> DeltaSummary:
+               max_body: int | None = None, max_ratio: float | None = None) -> DeltaSummary:
     """Envelope bytes -> DeltaSummary, refusing exactly what `decode_flat` refuses (the same
     DeltaFormatError) without building the delta: SEEDED indices are not regenerated (any seed
     gives a valid set) and INT8 values are not dequantised (each block's largest code times its
     scale is checked instead, which overflows exactly when one of its values would). What the
     coordinator runs on an upload before acknowledging it; the merger decodes it later."""
-    raw = _open(buf, max_body_bytes(schema) if max_body is None else max_body)
+    raw = _open(buf, max_body_bytes(schema) if max_body is None else max_body, max_ratio)
     return _parse_body_flat(memoryview(raw), schema, flat_offsets(schema) if offsets is None else offsets,
                             materialise=False)
 
@@ -279,6 +307,7 @@ def _parse_body_flat(raw: memoryview, schema: Mapping[str, tuple[int, ...]], off
     base_version, n_entries = _body_header(raw, schema)
     pos = 12
     seen: set[str] = set()
+    headers: list[tuple] = []  # DeltaSummary.entries
     # per sparse entry: (offset, kind, indices or seed, numel, k, values or None, int8 section or None)
     sparse: list[tuple] = []
     dense: list[tuple[int, np.ndarray]] = []
@@ -304,6 +333,7 @@ def _parse_body_flat(raw: memoryview, schema: Mapping[str, tuple[int, ...]], off
         else:
             index, _, used = INDEX_CODECS[index_kind].decode(raw[pos:], numel=numel, k=k)
             pos += used
+        headers.append((name, index_kind, value_kind, numel, k, index if index_kind == IndexKind.SEEDED else None))
         if value_kind == ValueKind.INT8:
             n_int8 = 4 * (-(-k // BLOCK)) + k
             if pos + n_int8 > n_raw:
@@ -328,7 +358,8 @@ def _parse_body_flat(raw: memoryview, schema: Mapping[str, tuple[int, ...]], off
     if not materialise:
         _unpack_many(raw, [item for item in sparse if isinstance(item[2], tuple)])  # its checks only
         _int8_sections(sparse, dequantise=False)
-        return DeltaSummary(base_version, n_entries, sum(item[4] for item in sparse) + sum(v.size for _, v in dense))
+        return DeltaSummary(base_version, n_entries, sum(item[4] for item in sparse) + sum(v.size for _, v in dense),
+                            entries=tuple(headers))
     return FlatDelta(base_version, n_entries, _flat_indices(sparse, raw), _flat_values(sparse), tuple(dense))
 
 

@@ -71,7 +71,7 @@ def test_only_merged_deltas_earn_credit_once(api, run, make_delta, encode_unchec
     assert earned == {"fast": pytest.approx(tokens * math.sqrt(10)), "slow": pytest.approx(tokens), None: 0.0}
     assert api.drain() == 0  # nothing is awarded twice
     # the operator's list shows it too
-    listed = {w["name"]: w["credit"] for w in api.client.get(f"{API}/runs/t/workers").json()}
+    listed = {w["name"]: w["credit"] for w in api.operator("get", f"{API}/runs/t/workers").json()}
     assert listed["fast"] == pytest.approx(tokens * math.sqrt(10)) and listed[None] == 0.0
 
 
@@ -88,3 +88,12 @@ def test_credit_survives_a_restart_without_being_awarded_again(open_api, run_con
     with open_api(settings) as api:  # the restart replays the merged delta into the weights, not the ledger
         with api.coordinator.sessions() as s:
             assert s.scalar(select(Worker.credit)) == before
+
+
+def test_a_sparta_round_counts_the_share_of_exchanges_it_made():
+    """Issue 18: an empty sparta delta is evidence of nothing; its exchanges are the work."""
+    assert credit.sparta_tokens(1024, exchanges_made=0, exchanges_expected=4) == 0
+    assert credit.sparta_tokens(1024, exchanges_made=1, exchanges_expected=4) == 256
+    assert credit.sparta_tokens(1024, exchanges_made=4, exchanges_expected=4) == 1024
+    assert credit.sparta_tokens(1024, exchanges_made=9, exchanges_expected=4) == 1024  # never more than a round
+    assert credit.sparta_tokens(1024, exchanges_made=0, exchanges_expected=0) == 0  # a round with no exchange step

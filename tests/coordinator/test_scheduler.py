@@ -80,3 +80,27 @@ def test_dense_equivalent_bytes():
     assert dense_equivalent_bytes(worker_steps=1, n_params=1) == 8
     assert dense_equivalent_bytes(worker_steps=100, n_params=640_000) == 100 * 2 * 4 * 640_000
     assert dense_equivalent_bytes(worker_steps=0, n_params=10) == 0
+
+
+def test_a_leases_lifetime_is_a_few_expected_rounds_within_bounds():
+    from coordinator.scheduler import lease_lifetime_s
+
+    # before any delivery the run's own lease_ttl_s is the expected round
+    assert lease_lifetime_s([], lease_ttl_s=600, rounds=4, cap_s=6 * 3600) == 2400
+    # the 90th percentile of recent rounds (slower machines than most still finish), times 4
+    times = [10.0] * 9 + [100.0]
+    assert lease_lifetime_s(times, lease_ttl_s=60, rounds=4, cap_s=6 * 3600) == 400
+    assert lease_lifetime_s([10.0] * 20, lease_ttl_s=60, rounds=4, cap_s=6 * 3600) == 60  # never below the TTL
+    assert lease_lifetime_s([5000.0], lease_ttl_s=60, rounds=4, cap_s=3600) == 3600  # the absolute cap
+    assert lease_lifetime_s([5000.0], lease_ttl_s=7200, rounds=4, cap_s=3600) == 7200  # ...but never below the TTL
+    assert lease_lifetime_s([-1.0, 0.0], lease_ttl_s=60, rounds=4, cap_s=3600) == 240  # clock skew is ignored
+
+
+def test_a_renewal_never_passes_the_lifetime():
+    from coordinator.scheduler import renewed_deadline
+
+    t0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
+    at = lambda s: t0 + timedelta(seconds=s)  # noqa: E731
+    assert renewed_deadline(at(50), created_at=t0, ttl_s=60, lifetime_s=240) == at(110)
+    assert renewed_deadline(at(200), created_at=t0, ttl_s=60, lifetime_s=240) == at(240)
+    assert renewed_deadline(at(300), created_at=t0, ttl_s=60, lifetime_s=240) == at(240)

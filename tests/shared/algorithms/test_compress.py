@@ -164,3 +164,30 @@ def test_tensor_seed():
     assert tensor_seed(6, "emb") != a  # per round
     # equal-sized tensors do not share an index set
     assert seeded_indices(tensor_seed(5, "a"), 1000, 10).tolist() != seeded_indices(tensor_seed(5, "b"), 1000, 10).tolist()
+
+
+@pytest.mark.parametrize("index", ["dense", "topk", "random"])
+def test_shape_mismatch_accepts_what_compress_makes_and_nothing_less(index):
+    """The coordinator's check of an upload (issue 18): what compress() makes of a whole model
+    passes for every compression; a missing tensor, a short tensor, the wrong index kind or (random)
+    another seed is named."""
+    from shared.algorithms.compress import shape_mismatch, tensor_seed
+    from shared.codec import check_flat
+
+    schema = {"a": (7, 5), "b": (3,), "c": (64,)}
+    cfg = CompressionConfig(index=index) if index == "dense" else CompressionConfig(index=index, fraction=0.3)
+    gen = torch.Generator().manual_seed(0)
+    grads = {n: torch.randn(s, generator=gen) for n, s in schema.items()}
+    body = encode(compress(grads, cfg, base_version=0, round_seed=11))
+    entries = check_flat(body, schema=schema).entries
+    assert shape_mismatch(entries, schema, cfg, round_seed=11) is None
+    assert "missing ['b']" in shape_mismatch([e for e in entries if e[0] != "b"], schema, cfg, round_seed=11)
+    name, kind, vk, numel, k, seed = entries[0]
+    short = [(name, kind, vk, numel, k - 1, seed)] + list(entries[1:])
+    assert f"{k - 1} values" in shape_mismatch(short, schema, cfg, round_seed=11)
+    other_kind = IndexKind.PACKED if kind != IndexKind.PACKED else IndexKind.DENSE
+    assert "indices" in shape_mismatch([(name, other_kind, vk, numel, k, None)] + list(entries[1:]), schema, cfg,
+                                       round_seed=11)
+    if index == "random":
+        assert seed == tensor_seed(11, name)
+        assert "seed" in shape_mismatch(entries, schema, cfg, round_seed=12)

@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from shared import kernels
+from shared import codec as codec_mod, kernels
 from shared.codec import (
     BLOCK, FORMAT_VERSION, MAGIC, Delta, DeltaSummary, Entry, FlatDelta, IndexKind, ValueKind, check_flat, decode,
     decode_flat, encode, flat_offsets, max_body_bytes, seeded_indices, seeded_indices_many, splitmix64,
@@ -370,6 +370,83 @@ def test_zstd_bomb_without_content_size():
     bomb = envelope(raw, declared=100, content_size=False)
     assert len(bomb) < 64 << 10
     expect_error(bomb, "other than the declared 100 bytes", max_body=1000)
+
+
+class _CountingDecompressor:
+    """zstandard.ZstdDecompressor, counting every decompression it starts and the bytes it hands back."""
+
+    calls = 0
+    produced = 0
+    real = zstandard.ZstdDecompressor
+
+    def __init__(self, *a, **kw):
+        self._inner = self.real(*a, **kw)
+
+    def decompress(self, *a, **kw):
+        type(self).calls += 1
+        out = self._inner.decompress(*a, **kw)
+        type(self).produced += len(out)
+        return out
+
+    def stream_reader(self, *a, **kw):
+        type(self).calls += 1
+        return self._inner.stream_reader(*a, **kw)
+
+    def decompressobj(self, *a, **kw):
+        type(self).calls += 1
+        return self._inner.decompressobj(*a, **kw)
+
+
+@pytest.fixture
+def counting(monkeypatch):
+    import shared.codec.envelope as env
+
+    _CountingDecompressor.calls = _CountingDecompressor.produced = 0
+    monkeypatch.setattr(env.zstandard, "ZstdDecompressor", _CountingDecompressor)
+    return _CountingDecompressor
+
+
+def test_tiny_frame_declaring_100mb_is_refused_by_ratio_without_decompressing(counting):
+    """The attack: 3 KB of frame declaring 100 MB (the body of zeros it really holds), under a cap
+    large enough for it (a big model's schema). With max_ratio it is refused before zstd runs."""
+    declared = 100 << 20
+    bomb = envelope(bytes(declared))
+    assert len(bomb) < 8 << 10
+    expect_error(bomb, r"more than 16 times its \d+-byte zstd frame", max_body=1 << 30,
+                 max_ratio=codec_mod.MAX_UPLOAD_RATIO)
+    for fn in (check_flat, decode_flat):
+        with pytest.raises(DeltaFormatError, match="more than 16 times"):
+            fn(bomb, schema=SCHEMA, max_body=1 << 30, max_ratio=codec_mod.MAX_UPLOAD_RATIO)
+    assert counting.calls == 0
+
+
+def test_ratio_leaves_honest_and_tiny_deltas_alone():
+    rng = np.random.default_rng(0)
+    d = Delta(0, (Entry("emb", 320, IndexKind.DENSE, ValueKind.INT4, rng.standard_normal(320).astype(np.float32)),))
+    buf = encode(d)
+    assert decode(buf, schema=SCHEMA, max_ratio=codec_mod.MAX_UPLOAD_RATIO).entries[0].name == "emb"
+    # a body under the 1 MiB floor is never refused for its ratio (a small model's delta, mostly zeros)
+    zeros = body(entry("emb", IndexKind.DENSE, ValueKind.FP32, 320, 320, values=bytes(4 * 320)))
+    assert len(zeros) / (len(envelope(zeros)) - 16) > 16
+    assert decode(envelope(zeros), schema=SCHEMA, max_ratio=codec_mod.MAX_UPLOAD_RATIO).entries[0].k == 320
+
+
+def test_a_frame_refused_after_decompressing_is_decompressed_once(counting):
+    """Before: a stream pass, then a second full pass to check the frame's end (twice the CPU)."""
+    b = body(good_entry_w())
+    expect_error(envelope(b + b"\x00" * 500), "unexpected bytes after the last entry")
+    assert counting.calls == 1
+    counting.calls = 0
+    buf = bytearray(envelope(b))
+    buf[-1] ^= 0x01
+    expect_error(bytes(buf), "corrupt zstd frame")
+    assert counting.calls == 1
+
+
+def test_frame_without_content_size_never_produces_past_the_declared_size(counting):
+    bomb = envelope(bytes(8 << 20), declared=1000, content_size=False)
+    expect_error(bomb, "other than the declared 1000 bytes", max_body=1 << 30)
+    assert counting.produced <= 1000
 
 
 def test_frame_content_size_disagrees_with_declared():
