@@ -5,20 +5,38 @@ Deltas that every kept checkpoint already holds are deleted unless the operator 
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import secrets
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from shared.files import atomic_write, sync_dir
+from shared.files import atomic_write, make_dirs, sync_dir
 
 
 PRUNED_MARK = "pruned-through"  # in a run's deltas folder: deltas up to this version were deleted
 
 
+@dataclasses.dataclass(frozen=True)
+class ReceivedBody:
+    """An upload's body as the route streamed it to `path` (Storage.receiving: not durable yet), with
+    its sha256 taken while it arrived; len() is its size in bytes, as for the bytes themselves."""
+
+    path: Path
+    sha256: str
+    size: int
+
+    def __len__(self) -> int:
+        return self.size
+
+    def read(self) -> bytes:
+        return self.path.read_bytes()
+
+
 class Storage:
     def __init__(self, root: Path) -> None:
         self.root = Path(root)
-        self.root.mkdir(parents=True, exist_ok=True)
+        make_dirs(self.root)  # nothing written when it exists: a start on a full disk gets past this
 
     def run_dir(self, run_id: int) -> Path:
         return self.root / "runs" / str(run_id)
@@ -56,6 +74,25 @@ class Storage:
             _, lease_part, sha_part = (path.stem.split("-") + ["", ""])[:3]
             if lease_part.isdigit() and sha_part:
                 yield path, int(lease_part), sha_part
+
+    def receiving(self, run_id: int, lease_id: int) -> Path:
+        """A fresh name for an upload's bytes while they arrive (`.lease-<id>-<random>.part`, in the
+        deltas folder so `stage_received` is a rename): never adopted or replayed, deleted when its
+        upload is refused, and when a crash left it behind (`partial_uploads`)."""
+        folder = self.deltas(run_id)
+        make_dirs(folder)  # a new folder's entry synced into its parent: the staged file lives on in it
+        return folder / f".lease-{lease_id:010d}-{secrets.token_hex(8)}.part"
+
+    def partial_uploads(self, run_id: int) -> Iterator[Path]:
+        return self.deltas(run_id).glob(".lease-*.part")
+
+    def stage_received(self, received: ReceivedBody, staged: Path) -> None:
+        """Make a streamed upload durable under its staged name: fsync, rename, fsync of the folder (what
+        `write` does, without the body ever being in memory)."""
+        with open(received.path, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(received.path, staged)
+        sync_dir(staged.parent)
 
     def adopt_delta(self, run_id: int, seq: int, lease_id: int, sha256: str) -> Path:
         """The file of delta `seq`, renamed from its staged name if it is not there yet (a rename

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import tempfile
 from collections.abc import Sequence
@@ -20,7 +21,7 @@ def atomic_write(path: Path, data: bytes | memoryview | Sequence[bytes | memoryv
     SYNC_CHUNK bytes as it is written: the kernel then never holds gigabytes of it unwritten, which
     every other fsync on the disk (each acknowledged delta's) would otherwise wait behind."""
     parts = [data] if isinstance(data, (bytes, bytearray, memoryview)) else list(data)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    make_dirs(path.parent)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb", buffering=0) as f:
@@ -43,15 +44,37 @@ def atomic_write(path: Path, data: bytes | memoryview | Sequence[bytes | memoryv
     sync_dir(path.parent)
 
 
+def make_dirs(folder: Path) -> None:
+    """`mkdir -p`, durably: each folder it creates has its parent synced after, so the new folder's
+    entry (and with it every file later synced into it) survives a crash."""
+    folder = Path(folder)
+    missing = []
+    while not folder.is_dir():
+        missing.append(folder)
+        if folder.parent == folder:
+            break
+        folder = folder.parent
+    for new in reversed(missing):
+        try:
+            new.mkdir()
+        except FileExistsError:  # made meanwhile by another thread; sync anyway: its sync may not be done
+            if not new.is_dir():
+                raise
+        sync_dir(new.parent)
+
+
 def sync_dir(folder: Path) -> None:
-    """fsync a folder, so a rename or a new file in it survives a crash."""
-    try:  # not every platform can open a folder (Windows); the rename is durable enough there
-        dir_fd = os.open(folder, os.O_RDONLY)
-    except OSError:
+    """fsync a folder, so a rename or a new file in it survives a crash. Errors surface: a rename
+    not known to be durable must not be acknowledged as if it were."""
+    if os.name == "nt":  # Windows cannot open a folder; NTFS journals the rename itself
         return
+    dir_fd = os.open(folder, os.O_RDONLY)
     try:
         os.fsync(dir_fd)
-    except OSError:
-        pass
+    except OSError as exc:
+        # Some filesystems cannot fsync a folder at all (EINVAL: older CIFS/SMB and some FUSE mounts):
+        # nothing more can be done there, and failing every write would make the data dir unusable.
+        if exc.errno != errno.EINVAL:
+            raise
     finally:
         os.close(dir_fd)

@@ -54,3 +54,54 @@ def test_parts_are_written_back_to_back_and_synced_as_they_add_up(tmp_path, monk
     files.atomic_write(tmp_path / "parts", parts)
     assert (tmp_path / "parts").read_bytes() == b"head" + arr.tobytes() + b"x" * 800
     assert synced == [1004, 2004]  # a sync whenever 1,000 unsynced bytes have gathered, across parts
+
+
+def _fsync_of_folders_fails(monkeypatch, err: int) -> None:
+    import stat
+
+    real = os.fsync
+
+    def fsync(fd):
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            raise OSError(err, os.strerror(err))
+        return real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+
+
+def test_a_folder_sync_that_fails_is_an_error_not_a_success(tmp_path, monkeypatch):
+    """An I/O error syncing the folder means the rename may not survive a crash: the write must not
+    look done (it was swallowed, and an upload acknowledged on it)."""
+    import errno
+
+    _fsync_of_folders_fails(monkeypatch, errno.EIO)
+    with pytest.raises(OSError, match="Input/output error"):
+        files.sync_dir(tmp_path)
+    with pytest.raises(OSError, match="Input/output error"):
+        files.atomic_write(tmp_path / "blob", b"data")
+
+
+def test_a_filesystem_that_cannot_sync_folders_is_tolerated(tmp_path, monkeypatch):
+    import errno
+
+    _fsync_of_folders_fails(monkeypatch, errno.EINVAL)  # some CIFS and FUSE mounts: nothing more to do
+    files.atomic_write(tmp_path / "blob", b"data")
+    assert (tmp_path / "blob").read_bytes() == b"data"
+
+
+def test_a_folder_that_cannot_be_opened_is_an_error(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        files.sync_dir(tmp_path / "missing")
+
+
+def test_new_folders_have_their_parents_synced(tmp_path, monkeypatch):
+    """Writing into a/b/c creates three folders: each one's entry is synced into its parent (else a
+    crash can lose the folder, and the fsynced file in it with it), and c itself for the file."""
+    synced = []
+    real = files.sync_dir
+    monkeypatch.setattr(files, "sync_dir", lambda folder: (synced.append(folder), real(folder))[1])
+    files.atomic_write(tmp_path / "a" / "b" / "c" / "blob", b"data")
+    assert synced == [tmp_path, tmp_path / "a", tmp_path / "a" / "b", tmp_path / "a" / "b" / "c"]
+    synced.clear()
+    files.atomic_write(tmp_path / "a" / "b" / "c" / "other", b"data")  # nothing new: only the file's folder
+    assert synced == [tmp_path / "a" / "b" / "c"]
