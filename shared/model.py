@@ -172,6 +172,13 @@ def count_params(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+def meta_schema(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """param_schema(build_model(cfg)) without allocating a byte of weights: the model is built on
+    the meta device (shapes only), so a worker sizes a coordinator's model before holding it."""
+    with torch.device("meta"):
+        return param_schema(TransformerLM(cfg))
+
+
 @torch.no_grad()
 def evaluate_loss(model: nn.Module, tokens: torch.Tensor, *, context: int, batch_size: int = 32,
                   max_sequences: int | None = None) -> float:

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from shared.config import NAME_PATTERN, CompressionConfig, InnerConfig, RunConfig, SpartaConfig
+from shared.model import ModelConfig
 
 API_VERSION = 1
 API_PREFIX = "/api/v1"
@@ -16,6 +17,12 @@ API_PREFIX = "/api/v1"
 H_SHA256 = "X-Content-SHA256"  # hex SHA-256 of the body as sent
 H_VERSION = "X-Model-Version"
 H_BASE_VERSION = "X-Base-Version"
+
+# The exact forms of what a coordinator sends that a worker puts in a file name, a URL or a header:
+# the worker does not trust the coordinator either, and checks them before using any.
+SHA256_PATTERN = r"^[0-9a-f]{64}$"  # hashlib's hexdigest(): lowercase, exactly 64 characters
+TOKEN_PATTERN = r"^[A-Za-z0-9_-]{1,256}$"  # secrets.token_urlsafe's alphabet; it travels in a header
+MAX_ID = 2**63 - 1  # database ids, versions and seeds are signed 64-bit integers
 
 
 class _Body(BaseModel):
@@ -41,8 +48,9 @@ class RegisterRequest(_Body):
 
 
 class RegisterResponse(_Body):
-    worker_id: int
-    token: str = Field(description="bearer token; shown once, stored hashed by the coordinator")
+    worker_id: int = Field(ge=1, le=MAX_ID)
+    token: str = Field(pattern=TOKEN_PATTERN, description="bearer token (urlsafe, at most 256 characters); shown "
+                                                          "once, stored hashed by the coordinator")
 
 
 class RunCreated(_Body):
@@ -54,35 +62,47 @@ class RunCreated(_Body):
 
 
 class Lease(_Body):
-    lease_id: int
-    run: str
-    shard_id: int
-    shard_sha256: str
-    base_version: int
-    seed: int = Field(description="seeds this round's sampling and random index selection")
-    lr: float = Field(description="inner learning rate for this round (already scheduled)")
+    lease_id: int = Field(ge=1, le=MAX_ID)
+    run: str = Field(pattern=NAME_PATTERN)
+    shard_id: int = Field(ge=0, le=MAX_ID)
+    shard_sha256: str = Field(pattern=SHA256_PATTERN, description="SHA-256 (lowercase hex) of the shard's tokens; "
+                                                                  "a worker names its cached copy by it")
+    base_version: int = Field(ge=0, le=MAX_ID)
+    seed: int = Field(ge=0, le=MAX_ID, description="seeds this round's sampling and random index selection")
+    lr: float = Field(ge=0, le=1.0, description="inner learning rate for this round (already scheduled)")
     inner: InnerConfig
     compression: CompressionConfig
-    model: dict
+    model: dict = Field(description="ModelConfig.to_dict(); checked here (keys, types, ranges, at most "
+                                    "shared.model.MAX_PARAMS parameters), sized against its own cap by the worker")
     deadline: datetime
     algorithm: str = Field("diloco", description="the run's algorithm (RunConfig.algorithm): diloco, sparta or "
                                                  "sparta+diloco; a worker refuses one it does not know")
     sparta: SpartaConfig = Field(default_factory=SpartaConfig,
                                  description="exchange settings; used when `algorithm` contains sparta")
-    init_seed: int | None = Field(None, description="the run's seed: version 0 is the model built from it, so a "
-                                                    "worker can make it and only check its hash (If-None-Match) "
-                                                    "instead of downloading it; absent from older coordinators")
+    init_seed: int | None = Field(None, ge=0, le=MAX_ID,
+                                  description="the run's seed: version 0 is the model built from it, so a "
+                                              "worker can make it and only check its hash (If-None-Match) "
+                                              "instead of downloading it; absent from older coordinators")
+
+    @field_validator("model")
+    @classmethod
+    def _model_config(cls, v: dict) -> dict:
+        try:
+            ModelConfig.from_dict(v)  # arithmetic only: nothing is built or allocated
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"not a valid model config: {exc}") from None
+        return v
 
 
 class LeaseRenewed(_Body):
-    lease_id: int
+    lease_id: int = Field(ge=1, le=MAX_ID)
     deadline: datetime = Field(description="the lease's new deadline (now + the run's lease_ttl_s)")
 
 
 class DeltaAccepted(_Body):
-    lease_id: int
-    delta_id: int
-    will_merge_into: int = Field(description="the model version this delta becomes part of")
+    lease_id: int = Field(ge=1, le=MAX_ID)
+    delta_id: int = Field(ge=1, le=MAX_ID)
+    will_merge_into: int = Field(ge=0, le=MAX_ID, description="the model version this delta becomes part of")
     duplicate: bool = False
 
 
@@ -141,7 +161,10 @@ class RunStatus(_Body):
     shards_done: int
     epoch: int
     clipped_deltas: int = Field(0, description="merged after robust merging scaled them down")
-    workers_flagged: list[WorkerInfo] = Field(default_factory=list, description="throttled or banned workers, and why")
+    # Counts only: which workers and why is the operator's (GET /runs/{run}/workers, admin token);
+    # the reasons quote the screening's thresholds, a map for a poisoner to stay under them.
+    workers_throttled: int = Field(0, description="workers robust merging throttled")
+    workers_banned: int = Field(0, description="workers robust merging banned")
 
 
 class RunSummary(_Body):

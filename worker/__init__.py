@@ -7,6 +7,7 @@ It only ever connects outward, and it minds its host.
                  a gate between steps for pauses
     state.py     StateStore: the round in flight and any unsent delta, saved atomically for resume
     loop.py      Worker: lease -> snapshot -> shard -> train -> push; token store, shard cache, Ctrl-C
+    memory.py    how large a model this machine trains (--max-params' default); leases sized on meta
     policy.py    may it train now, and if not why: one pure function (idle, battery, cap, pause)
     host.py      what the machine does: input idle time, battery, CPU load (parsers + readers)
     governor.py  runs the policy while the worker works: waits, pauses mid-round, lets leases go

@@ -20,9 +20,11 @@ import time
 from collections.abc import Callable
 from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
+from typing import TypeVar
 
 import httpx
 import zstandard
+from pydantic import BaseModel, ValidationError
 
 from shared import protocol
 from worker.throttle import TokenBucket, paced
@@ -78,6 +80,30 @@ def is_transient(exc: BaseException) -> bool:
 
 class IntegrityError(Exception):
     """A download does not match its announced hash or size."""
+
+
+_M = TypeVar("_M", bound=BaseModel)
+
+
+class InvalidAnswer(Exception):
+    """An answer that is not what the protocol says it is (a lease whose shard hash is a path, an
+    id out of range, a model config that does not validate): refused, never acted on."""
+
+
+def invalid_answer(what: str, exc: ValueError) -> InvalidAnswer:
+    """An InvalidAnswer saying which fields of `what` broke which rule (at most 5 of them)."""
+    if isinstance(exc, ValidationError):
+        why = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'body'}: {e['msg']}" for e in exc.errors()[:5])
+    else:
+        why = f"not JSON ({exc})"
+    return InvalidAnswer(f"the coordinator's {what} is not valid ({why})")
+
+
+def _parse(model: type[_M], resp: httpx.Response, what: str) -> _M:
+    try:
+        return model.model_validate(resp.json())
+    except ValueError as exc:  # not JSON, or not the protocol's form (ValidationError is a ValueError)
+        raise invalid_answer(what, exc) from None
 
 
 class CoordinatorClient:
@@ -193,7 +219,7 @@ class CoordinatorClient:
 
     def register(self, run: str, req: protocol.RegisterRequest) -> protocol.RegisterResponse:
         resp = self._request("POST", f"{protocol.API_PREFIX}/runs/{run}/workers", json=req.model_dump())
-        return protocol.RegisterResponse.model_validate(resp.json())
+        return _parse(protocol.RegisterResponse, resp, "registration")
 
     def lease(self, run: str, *, keep: int | None = None) -> tuple[protocol.Lease | None, float]:
         """(lease, 0) or (None, seconds to wait) when there is no work right now. `keep`: the lease
@@ -206,7 +232,7 @@ class CoordinatorClient:
                 return None, float(resp.headers.get("Retry-After", "2"))
             except ValueError:
                 return None, 2.0
-        return protocol.Lease.model_validate(resp.json()), 0.0
+        return _parse(protocol.Lease, resp, "lease"), 0.0
 
     def _download(self, url: str, headers: dict | None = None) -> httpx.Response:
         resp = self._request("GET", url, headers=dict(headers or {}))
@@ -225,10 +251,20 @@ class CoordinatorClient:
         if resp.status_code == 304:
             if not if_sha256 or sha != if_sha256:
                 raise IntegrityError(f"snapshot {version}: 304 for a hash other than the one asked about")
-            return None, int(resp.headers[protocol.H_VERSION])
+            return None, self._answered_version(resp, version)
         if hashlib.sha256(resp.content).hexdigest() != sha:
             raise IntegrityError(f"snapshot {version} does not match its announced SHA-256")
-        return resp.content, int(resp.headers[protocol.H_VERSION])
+        return resp.content, self._answered_version(resp, version)
+
+    @staticmethod
+    def _answered_version(resp: httpx.Response, asked: int | str) -> int:
+        """The X-Model-Version of a snapshot: a decimal version, the one asked for unless 'latest'."""
+        value = resp.headers.get(protocol.H_VERSION, "")
+        if not (value.isascii() and value.isdecimal()) or len(value) > 19 or int(value) > protocol.MAX_ID:
+            raise IntegrityError(f"snapshot {asked}: {protocol.H_VERSION} {value[:40]!r} is not a version")
+        if isinstance(asked, int) and int(value) != asked:
+            raise IntegrityError(f"snapshot {asked}: the coordinator answered version {value}")
+        return int(value)
 
     def model_update(self, run: str, from_version: int, to_version: int) -> bytes:
         """The int8 change from one version to another (shared/algorithms/sync.py), hash-checked."""
@@ -248,8 +284,10 @@ class CoordinatorClient:
             raise IntegrityError(f"shard {index} does not match its announced SHA-256")
         return raw
 
-    def renew(self, lease_id: int) -> protocol.LeaseRenewed:
-        resp = self._request("POST", f"{protocol.API_PREFIX}/leases/{lease_id}/renew")
+    def renew(self, lease_id: int, *, step: int) -> protocol.LeaseRenewed:
+        """Extend a live lease; `step` is the round's local step now (the coordinator renews a lease
+        only while its round progresses: each renewal must report a later step than the last)."""
+        resp = self._request("POST", f"{protocol.API_PREFIX}/leases/{lease_id}/renew", params={"step": step})
         return protocol.LeaseRenewed.model_validate(resp.json())
 
     def release(self, lease_id: int) -> None:
@@ -260,7 +298,7 @@ class CoordinatorClient:
         resp = self._request("POST", f"{protocol.API_PREFIX}/leases/{lease_id}/delta", content=body,
                              headers={"Content-Type": "application/octet-stream"})
         self.bytes_up += len(body)
-        return protocol.DeltaAccepted.model_validate(resp.json())
+        return _parse(protocol.DeltaAccepted, resp, "acknowledgement")
 
     def exchange(self, lease_id: int, step: int, body: bytes) -> bytes:
         """A sparse exchange (sparta) after local step `step`: sends the encoded values, returns the

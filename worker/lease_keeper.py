@@ -3,8 +3,10 @@
 A volunteer's machine may be slower than the run's lease TTL assumed. While the round is
 training, a background thread renews the lease once two thirds of its time have passed, so the
 shard is not handed to someone else under a machine that is still working on it. It renews only
-if the round moved since the last renewal: a paused or stuck worker lets its lease run out, as it
-should (worker/governor.py already lets a long pause give the lease up).
+if the round moved since the last renewal, and it tells the coordinator the step it reached (the
+coordinator renews only a lease whose step moved on, and only up to a lifetime of a few rounds): a
+paused or stuck worker lets its lease run out, as it should (worker/governor.py already lets a long
+pause give the lease up).
 
 A refusal (the lease expired or was given up) ends the keeping; the upload will say what
 happened. Network errors are retried at the next tick.
@@ -25,7 +27,7 @@ def _utcnow() -> datetime:
 
 
 class LeaseKeeper:
-    def __init__(self, lease_id: int, deadline: datetime, *, renew: Callable[[int], datetime],
+    def __init__(self, lease_id: int, deadline: datetime, *, renew: Callable[[int, int], datetime],
                  progress: Callable[[], int], clock: Callable[[], datetime] = _utcnow,
                  min_wait_s: float = 1.0) -> None:
         self.lease_id = lease_id
@@ -55,10 +57,10 @@ class LeaseKeeper:
             log.info("lease %d: no progress, letting it run out", self.lease_id)
             return False
         try:
-            self.deadline = self.renew(self.lease_id)
+            self.deadline = self.renew(self.lease_id, step)
         except Exception as exc:  # refused (expired, given up) or the network: the upload will tell
             status = getattr(exc, "status", None)
-            if status in (404, 409, 410, 403):
+            if status in (404, 409, 410, 403, 422):
                 self.stopped_because = f"refused ({status})"
                 log.warning("lease %d could not be renewed: %s", self.lease_id, exc)
                 return False

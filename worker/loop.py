@@ -35,9 +35,11 @@ training may go on (policy.hold_limit_s says why). The status file and the displ
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import logging
 import os
+import re
 import signal
 import threading
 import time
@@ -51,14 +53,17 @@ import torch
 from shared import codec, protocol
 from shared.algorithms import sync
 from shared.algorithms.compress import delta_to_tensors
-from shared.errors import DeltaFormatError
-from shared.model import ModelConfig, build_model, param_schema
+from shared.errors import DeltaFormatError, SnapshotError
+from shared.model import ModelConfig, meta_schema
 from shared.snapshot import decode_snapshot, version_zero
+from worker import memory
 from worker.client import (
     CoordinatorClient,
     CoordinatorError,
     IntegrityError,
+    InvalidAnswer,
     backoff_delay,
+    invalid_answer,
     is_transient,
 )
 from worker.control import ControlFile, StatusFile, WorkerStatus
@@ -118,25 +123,52 @@ class TokenStore:
         os.replace(tmp, self.path)
 
 
+_SHA256 = re.compile(protocol.SHA256_PATTERN)
+
+
 class ShardCache:
-    """Shards on disk by content hash: a shard is downloaded once per machine."""
+    """Shards on disk by content hash: a shard is downloaded once per machine.
+
+    The hash comes from the coordinator, which is not trusted: a file name is made only of a
+    64-character lowercase hex digest (anything else is refused before any path is built), the
+    path must stay under the cache's folder, and a hit is hashed again before use (a file that
+    rotted or was replaced is deleted and the shard fetched anew, never trained on)."""
 
     def __init__(self, root: Path, max_files: int = 256) -> None:
         self.root = root / "shards"
         self.max_files = max_files
 
-    def get(self, sha: str) -> bytes | None:
+    def path(self, sha: str) -> Path:
+        """The file of shard `sha`; ValueError when `sha` is not a digest (an absolute path, '../x')."""
+        if not isinstance(sha, str) or _SHA256.fullmatch(sha) is None:
+            raise ValueError(f"shard hash {str(sha)[:80]!r} is not 64 lowercase hex characters")
         path = self.root / f"{sha}.bin"
-        return path.read_bytes() if path.exists() else None
+        if path.parent.resolve() != self.root.resolve():  # a symlinked file name cannot be made of hex
+            raise ValueError(f"shard file {path} is outside the cache {self.root}")
+        return path
+
+    def get(self, sha: str) -> bytes | None:
+        path = self.path(sha)
+        try:
+            raw = path.read_bytes()
+        except FileNotFoundError:
+            return None
+        if hashlib.sha256(raw).hexdigest() != sha:
+            log.warning("cached shard %s fails its SHA-256 (corrupted or replaced); deleting it and fetching "
+                        "it again", path.name)
+            path.unlink(missing_ok=True)
+            return None
+        return raw
 
     def put(self, sha: str, raw: bytes) -> None:
+        path = self.path(sha)
         self.root.mkdir(parents=True, exist_ok=True)
         files = sorted(self.root.glob("*.bin"), key=lambda p: p.stat().st_mtime)
         for old in files[: max(0, len(files) - self.max_files + 1)]:
             old.unlink(missing_ok=True)
         tmp = self.root / f".{sha}.tmp"
         tmp.write_bytes(raw)
-        os.replace(tmp, self.root / f"{sha}.bin")
+        os.replace(tmp, path)
 
 
 class _Upload:
@@ -205,9 +237,16 @@ class Worker:
         self.tokens = TokenStore(settings.state_dir)
         self.shards = ShardCache(settings.state_dir / "cache")
         self.store = StateStore(settings.state_dir, settings.coordinator, settings.run)
-        self.client = client or CoordinatorClient(settings.coordinator, timeout_s=settings.request_timeout_s,
-                                                  max_retries=settings.max_retries)
         self.device = pick_device(settings.device)
+        # The largest model this worker trains: --max-params, else what this machine's memory holds now.
+        self.max_params = settings.max_params or memory.default_max_params(memory.probe(self.device))
+        if settings.max_params is None:
+            log.info("training models of up to %s parameters (from this machine's available memory; "
+                     "--max-params sets another limit)", f"{self.max_params:,}")
+        # Every answer is capped while it streams at the largest snapshot (or shard) that limit allows.
+        self.client = client or CoordinatorClient(settings.coordinator, timeout_s=settings.request_timeout_s,
+                                                  max_retries=settings.max_retries,
+                                                  max_download_bytes=memory.download_cap_bytes(self.max_params))
         self.trainer = LocalTrainer(self.device)
         self._snapshot: tuple[int, dict[str, torch.Tensor]] | None = None  # (version, params)
         self._hops = 0  # incremental updates applied since the last full snapshot
@@ -293,7 +332,7 @@ class Worker:
         held = self._snapshot
         if held is not None and held[0] == lease.base_version:
             return held[1]
-        schema = param_schema(build_model(ModelConfig.from_dict(lease.model)))
+        schema = meta_schema(ModelConfig.from_dict(lease.model))  # shapes only: nothing allocated
         if held is not None and held[0] < lease.base_version and self._hops < sync.MAX_HOPS:
             try:
                 blob = self.client.model_update(lease.run, held[0], lease.base_version)
@@ -327,10 +366,29 @@ class Worker:
             self.join_bytes = 0 if blob is None else len(blob)
         return params
 
+    SHARD_TRIES = 3  # downloads of a shard that fails its hash or its zstd before the lease is given up
+
     def _tokens(self, lease: protocol.Lease) -> torch.Tensor:
-        raw = self.shards.get(lease.shard_sha256)
-        if raw is None:
-            raw = self.client.shard(lease.run, lease.shard_id, expected_sha256=lease.shard_sha256)
+        """The lease's shard: the cached copy (hashed again), else downloaded and checked. A download
+        that fails its hash or does not decompress is fetched again with backoff, SHARD_TRIES times
+        in all; then IntegrityError (the round gives the lease up). The first Ctrl-C ends a wait."""
+        try:
+            raw = self.shards.get(lease.shard_sha256)
+        except ValueError as exc:  # not a digest: never made into a path
+            raise InvalidAnswer(f"lease {lease.lease_id}: {exc}") from None
+        attempt = 0
+        while raw is None:
+            try:
+                raw = self.client.shard(lease.run, lease.shard_id, expected_sha256=lease.shard_sha256)
+            except IntegrityError as exc:
+                attempt += 1
+                if attempt >= self.SHARD_TRIES or self.stop.event.is_set():
+                    raise IntegrityError(f"shard {lease.shard_id} failed {attempt} downloads ({exc})") from None
+                delay = backoff_delay(attempt)
+                log.warning("lease %d: %s; fetching it again in %.1f s (%d/%d)", lease.lease_id, exc, delay,
+                            attempt + 1, self.SHARD_TRIES)
+                self.stop.event.wait(delay)
+                continue
             self.shards.put(lease.shard_sha256, raw)
         return torch.from_numpy(np.frombuffer(raw, dtype=np.uint8).copy())
 
@@ -658,15 +716,30 @@ class Worker:
         self._prefetch_s = pre.seconds
         return pre if pre.lease is not None else None
 
-    def _check_model(self, lease: protocol.Lease) -> None:
-        """The coordinator is untrusted too: refuse a model this machine was not set up to hold."""
+    def _give_up(self, lease: protocol.Lease, exc: BaseException) -> None:
+        """A lease whose shard or base model does not arrive intact: hand it back (best effort: it
+        expires anyway) so its shard goes to another worker, wait a little, and ask for another."""
+        log.warning("lease %d: %s; giving the lease up and asking for another", lease.lease_id, exc)
         try:
-            n = ModelConfig.from_dict(lease.model).n_params()
-        except (TypeError, ValueError) as exc:
-            raise RuntimeError(f"lease {lease.lease_id} describes an invalid model ({exc}); not training it") from None
-        if n > self.settings.max_params:
-            raise RuntimeError(f"run {lease.run!r} trains a model of {n:,} parameters, above this worker's limit of "
-                               f"{self.settings.max_params:,} (--max-params)")
+            self.client.release(lease.lease_id)
+        except (httpx.TransportError, CoordinatorError) as err:
+            log.info("lease %d not given back (%s); it expires at its deadline", lease.lease_id, _why(err))
+        self.stop.event.wait(backoff_delay(1))  # a coordinator serving bad bytes is not asked again at once
+
+    def _check_model(self, lease: protocol.Lease) -> None:
+        """The coordinator is untrusted too. A lease not in the protocol's exact form (ids, hashes,
+        names, model config) raises InvalidAnswer: the loop backs off and asks again. A model this
+        machine was not set up to hold, sized on the meta device before anything of it exists,
+        raises RuntimeError: every lease of the run is the same model, so the worker stops, saying
+        which flag raises the limit."""
+        try:  # again: a lease may come from disk or a test, not only through the client's parsing
+            protocol.Lease.model_validate(lease.model_dump())
+        except ValueError as exc:
+            raise invalid_answer(f"lease {lease.lease_id!r}", exc) from None
+        why = memory.lease_too_big(ModelConfig.from_dict(lease.model), batch_size=lease.inner.batch_size,
+                                   max_params=self.max_params)
+        if why is not None:
+            raise RuntimeError(f"run {lease.run!r}: {why}; not training it")
 
     def _round(self, lease: protocol.Lease, resume: RoundState | None = None,
                fetched: _Prefetch | None = None) -> None:
@@ -689,10 +762,16 @@ class Worker:
             if resume is not None:  # drop the round; keep what the trainer learnt
                 self._save_trainer()
             return
+        except (IntegrityError, SnapshotError) as exc:  # bytes that are not what the lease announced
+            self._give_up(lease, exc)
+            if resume is not None:
+                self._save_trainer()
+            return
         self.progress.start_round(lease, context=ModelConfig.from_dict(lease.model).context,
                                   step=resume.step if resume is not None else 0)
         self.publish()
-        keeper = LeaseKeeper(lease.lease_id, lease.deadline, renew=lambda i: self.client.renew(i).deadline,
+        keeper = LeaseKeeper(lease.lease_id, lease.deadline,
+                             renew=lambda i, step: self.client.renew(i, step=step).deadline,
                              progress=lambda: self.progress.step)
         ahead = self._ahead_of(lease, base) if resume is None else None
         try:
@@ -827,6 +906,16 @@ class Worker:
                 # The coordinator is down or restarting: wait, then deliver what is on disk first.
                 self.progress.set_phase("waiting", f"coordinator unreachable ({_why(exc)})")
                 self._wait(failures, exc)
+                failures += 1
+                recover = True
+                continue
+            except InvalidAnswer as exc:
+                # A lease (or an answer) not in the protocol's form: refused before any of it is used.
+                # Asking again gives that lease up; a coordinator that keeps sending such is asked slower.
+                delay = backoff_delay(failures)
+                log.warning("%s; refused, asking again in %.1f s", exc, delay)
+                self.progress.set_phase("waiting", f"refused an invalid answer from the coordinator ({exc})")
+                self.stop.event.wait(delay)
                 failures += 1
                 recover = True
                 continue

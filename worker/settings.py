@@ -52,8 +52,11 @@ class WorkerSettings(BaseSettings):
     max_rounds: int | None = Field(None, ge=1, description="stop after this many delivered rounds")
     request_timeout_s: float = Field(60.0, gt=0)
     max_retries: int = Field(8, ge=0, description="attempts per request on network errors and 5xx")
-    max_params: int = Field(2_000_000_000, ge=1, description="refuse runs whose model has more parameters "
-                                                              "(the coordinator is not trusted to size it)")
+    max_params: int | None = Field(
+        None, ge=1, description="refuse runs whose model has more parameters, or whose rounds (batch x context) "
+                                "need more memory than that many parameters' training would (the coordinator is "
+                                "not trusted to size it); default: what this machine's available memory holds "
+                                "(worker/memory.py)")
     checkpoint_every_steps: int = Field(
         25, ge=0, description="save the round in flight every N local steps (0: only at round end), so a "
                               "kill or a laptop's sleep resumes it; kept under state_dir/runs/")

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from shared.model import (
-    ModelConfig, build_model, count_params, evaluate_loss, get_params, param_schema, set_params,
+    ModelConfig, build_model, count_params, evaluate_loss, get_params, meta_schema, param_schema, set_params,
 )
 
 TINY = ModelConfig(n_layer=1, d_model=32, n_head=2, context=16)
@@ -154,3 +154,22 @@ def test_n_params_without_building(cfg):
 def test_absurd_model_configs_are_refused_before_anything_is_built(kw):
     with pytest.raises(ValueError, match="out of range|above the limit"):
         ModelConfig(**kw)
+
+
+@pytest.mark.parametrize("cfg", [TINY, ModelConfig(), ModelConfig(n_layer=2, n_head=4, d_model=64, vocab_size=300)])
+def test_meta_schema_is_the_built_model_schema(cfg):
+    assert meta_schema(cfg) == param_schema(build_model(cfg))
+    assert list(meta_schema(cfg)) == list(param_schema(build_model(cfg)))  # same order: what deltas follow
+
+
+def test_meta_schema_of_a_huge_model_allocates_nothing(monkeypatch):
+    """1.6B parameters (6.4 GB in fp32): any real allocation of a parameter fails the test."""
+    cfg = ModelConfig(n_layer=48, n_head=26, d_model=1664, context=1024)
+    real = torch.nn.Parameter.__new__
+
+    def meta_only(cls, data=None, requires_grad=True):
+        assert data is None or data.device.type == "meta", "a parameter was allocated for real"
+        return real(cls, data, requires_grad)
+
+    monkeypatch.setattr(torch.nn.Parameter, "__new__", meta_only)
+    assert sum(math.prod(s) for s in meta_schema(cfg).values()) == cfg.n_params()

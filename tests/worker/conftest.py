@@ -13,3 +13,13 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+# The worker tests reach the in-process coordinator as http://coordinator.test (a name that is plainly
+# not a real host): the coordinator is told it answers to it, as an operator behind a public name would.
+WORKER_TEST_HOST = "coordinator.test"
+
+
+@pytest.fixture
+def settings(settings):
+    return settings.model_copy(update={"allowed_hosts": [WORKER_TEST_HOST]})

@@ -248,3 +248,18 @@ def test_shard_larger_than_allowed_is_an_integrity_error():
     with pytest.raises(IntegrityError):
         make_client(shard_handler(blob)).shard("t", 0, expected_sha256=hashlib.sha256(raw).hexdigest(),
                                                max_tokens=4096)
+
+
+def test_renew_reports_the_rounds_step():
+    """The coordinator renews a lease only while its round progresses (issue 18): the step travels."""
+    seen = []
+
+    def handler(request):
+        seen.append(request)
+        return httpx.Response(200, json={"lease_id": 7, "deadline": "2030-01-01T00:00:00Z"})
+
+    renewed = make_client(handler, token="tok").renew(7, step=12)
+    assert renewed.lease_id == 7
+    (req,) = seen
+    assert req.method == "POST" and req.url.path == f"{API}/leases/7/renew"
+    assert req.url.params["step"] == "12"

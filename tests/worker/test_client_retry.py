@@ -109,3 +109,21 @@ def test_checkpoint_every_steps_setting(monkeypatch):
     assert WorkerSettings(coordinator=BASE, run="t").checkpoint_every_steps == 0
     with pytest.raises(ValueError):
         WorkerSettings(coordinator=BASE, run="t", checkpoint_every_steps=-1)
+
+
+@pytest.mark.parametrize("call", ["upload", "lease"])
+def test_a_full_coordinator_disk_is_waited_out_for_uploads_and_leases(sleeps, call):
+    """The coordinator answers 503 + Retry-After: 30 while its disk is full (nothing acknowledged):
+    the upload (its bytes kept) and the lease request are sent again after those 30 s."""
+    full = httpx.Response(503, headers={"Retry-After": "30"},
+                          json={"detail": "the coordinator's disk is full; retry later"})
+    then = {"upload": httpx.Response(202, json={"lease_id": 1, "delta_id": 1, "will_merge_into": 1}),
+            "lease": httpx.Response(204, headers={"Retry-After": "2"})}[call]
+    handler, calls = answers(full, then)
+    c = CoordinatorClient(BASE, token="t" * 20, transport=httpx.MockTransport(handler))
+    if call == "upload":
+        assert c.upload_delta(1, b"delta bytes").will_merge_into == 1
+        assert [r.content for r in calls] == [b"delta bytes"] * 2
+    else:
+        assert c.lease("t") == (None, 2.0)
+    assert len(calls) == 2 and sleeps == [pytest.approx(30 * 1.05)]

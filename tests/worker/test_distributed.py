@@ -23,7 +23,7 @@ from idletrain.demo import free_port, wait_healthy
 from shared import protocol
 from shared.config import CompressionConfig, InnerConfig
 from shared.model import ModelConfig, build_model, get_params
-from tests.test_loopback import wait_merged
+from tests.test_loopback import admin_headers, wait_merged
 from worker import distributed
 from worker.trainer import LocalTrainer, RoundSuspended
 
@@ -207,7 +207,8 @@ def test_a_torchrun_worker_of_two_processes_trains_against_a_coordinator(tmp_pat
     coord_log, worker_log = tmp_path / "coordinator.log", tmp_path / "worker.log"
     with open(coord_log, "w") as clog:
         coord = subprocess.Popen([sys.executable, "-m", "idletrain", "--log-level", "WARNING", "coordinator", "serve",
-                                  "--host", "127.0.0.1", "--port", str(port), "--data-dir", str(tmp_path / "data")],
+                                  "--host", "127.0.0.1", "--port", str(port), "--data-dir", str(tmp_path / "data"),
+                                  "--corpus-dir", str(corpus_dir)],
                                  env=_env(), cwd=tmp_path, stdout=clog, stderr=subprocess.STDOUT)
     worker = None
     try:
@@ -216,7 +217,7 @@ def test_a_torchrun_worker_of_two_processes_trains_against_a_coordinator(tmp_pat
                 wait_healthy(client, coord, 60)
             except RuntimeError as exc:
                 pytest.fail(f"{exc}:\n{coord_log.read_text()[-3000:]}")
-            created = client.post("/api/v1/runs", json={
+            created = client.post("/api/v1/runs", headers=admin_headers(tmp_path / "data"), json={
                 "name": "dist", "corpus": str(corpus_dir), "shard_tokens": 4096, "eval_tokens": 4096,
                 "model": {"n_layer": 1, "d_model": 32, "n_head": 2, "context": CONTEXT},
                 "inner": {"steps": STEPS, "batch_size": BATCH, "lr": 3e-3, "warmup_steps": 2},

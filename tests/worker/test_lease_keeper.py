@@ -31,8 +31,8 @@ def make(renew, *, step=lambda: 0):
 def test_renews_at_two_thirds_only_while_the_round_moves():
     calls, steps = [], [0]
 
-    def renew(lease_id):
-        calls.append((lease_id, clock.now))
+    def renew(lease_id, step):
+        calls.append((lease_id, step, clock.now))
         return clock.now + timedelta(seconds=90)
 
     keeper, clock = make(renew, step=lambda: steps[0])
@@ -41,7 +41,7 @@ def test_renews_at_two_thirds_only_while_the_round_moves():
     steps[0] = 5
     assert keeper.tick() and calls == []  # not due yet
     clock.now = T0 + timedelta(seconds=61)
-    assert keeper.tick() and calls == [(7, clock.now)]
+    assert keeper.tick() and calls == [(7, 5, clock.now)]  # it tells the coordinator the step it reached
     assert keeper.deadline == T0 + timedelta(seconds=151) and keeper.renewals == 1
     clock.now = T0 + timedelta(seconds=125)  # due again, but the round has not moved: let it run out
     assert not keeper.tick() and keeper.stopped_because == "no progress since the last renewal"
@@ -51,7 +51,7 @@ def test_renews_at_two_thirds_only_while_the_round_moves():
 def test_a_refusal_ends_it_and_network_errors_are_retried():
     attempts = []
 
-    def flaky(lease_id):
+    def flaky(lease_id, step):
         attempts.append(lease_id)
         if len(attempts) == 1:
             raise httpx.ConnectError("down")
@@ -69,7 +69,7 @@ def test_the_thread_renews_in_real_time():
     renewed = []
     step = [0]
 
-    def renew(lease_id):
+    def renew(lease_id, step):
         renewed.append(lease_id)
         return datetime.now(timezone.utc) + timedelta(seconds=1.5)
 
@@ -80,3 +80,16 @@ def test_the_thread_renews_in_real_time():
             step[0] = i + 1
             time.sleep(0.05)
     assert renewed and set(renewed) == {3}
+
+
+def test_a_lifetime_or_no_progress_refusal_ends_it():
+    """The coordinator answers 409 once the lease lived its lifetime (or saw no progress), 422 to a
+    step it cannot take: the keeper stops asking (the round still delivers by the deadline)."""
+    for status in (409, 422):
+        def refuse(lease_id, step):
+            raise CoordinatorError(status, "lease 7 has lived its lifetime and is not renewed again")
+
+        steps = iter(range(1, 100))
+        keeper, clock = make(refuse, step=lambda: next(steps))
+        clock.now = T0 + timedelta(seconds=80)
+        assert not keeper.tick() and keeper.stopped_because == f"refused ({status})"

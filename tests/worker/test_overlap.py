@@ -22,7 +22,7 @@ from worker.loop import Worker
 from worker.settings import WorkerSettings
 from worker.state import StateStore
 
-URL = "http://fake.test"
+URL = "http://coordinator.test"  # the in-process coordinator answers to this name (tests/worker/conftest.py)
 MODEL = ModelConfig(n_layer=1, d_model=32, n_head=2, context=32)
 SCHEMA = param_schema(build_model(MODEL))
 STEPS = 4
@@ -110,7 +110,7 @@ class FakeClient:
         self.c.note("shard", index)
         return self.c.raw
 
-    def renew(self, lease_id: int):
+    def renew(self, lease_id: int, *, step: int):
         raise AssertionError("no lease here is near its deadline")
 
     def upload_delta(self, lease_id: int, body: bytes) -> protocol.DeltaAccepted:

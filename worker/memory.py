@@ -1,0 +1,156 @@
+"""How large a model this machine can train: the worker's own cap, never the coordinator's word.
+
+The pure core (`default_max_params`, `round_bytes`, `lease_too_big`, `download_cap_bytes`) takes
+memory sizes as numbers, so it is tested with made-up machines; `probe()` reads this machine's.
+A lease's model is sized on the meta device (shared.model.meta_schema) and checked here before
+anything of it is downloaded, built or allocated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+
+import torch
+
+from shared.model import ModelConfig, meta_schema
+
+log = logging.getLogger(__name__)
+
+# What a round holds per parameter, in bytes. Any AdamW trainer needs 16: fp32 weights (4), their
+# gradients (4) and AdamW's two moments (exp_avg, exp_avg_sq: 4 + 4). A worker also keeps, in fp32,
+# the round's base snapshot (4: the pseudo-gradient is base - local), the error-feedback residual
+# (4) and the pseudo-gradient being compressed (4).
+BYTES_PER_PARAM = 28
+# Activations kept for the backward pass, in fp32 values per token per layer per unit of d_model:
+# ln1 out (1), qkv (3), attention out (1), its projection (1), ln2 out (1), the MLP's hidden layer
+# before and after GELU (4 + 4), its output (1) and the two residual sums (2) = 18, rounded up to 20
+# for SDPA's softmax statistics and allocator slack. (The attention matrix itself is not kept: SDPA's
+# flash and memory-efficient kernels never materialise it.)
+ACTIVATION_VALUES_PER_TOKEN_DIM = 20
+# The logits (B, T, vocab) live three times: the logits, their log-softmax, and its gradient.
+LOGIT_COPIES = 3
+# Share of the memory available at start that training may take: the OS, the page cache and the
+# user's own programs keep the rest (a volunteer's machine is not ours).
+USABLE_SHARE = 0.6
+# Share of that budget the default cap gives the parameters (BYTES_PER_PARAM each); the rest is for
+# a round's activations (batch * context tokens) and the transient copies of a download.
+PARAM_SHARE = 0.75
+MIN_BUDGET_BYTES = 1 << 30  # a cap set very low still leaves room for a small model's activations
+FALLBACK_TOTAL_BYTES = 4 << 30  # when this machine's memory cannot be read: a small laptop's
+SNAPSHOT_SLACK_BYTES = 16 << 20  # safetensors header (names, shapes) and zstd framing above 4 B/param
+MAX_SHARD_BYTES = (1 << 30) + (16 << 20)  # RunConfig.shard_tokens <= 2^30 bytes, plus zstd's worst-case framing
+
+
+@dataclasses.dataclass(frozen=True)
+class Memory:
+    """Bytes of this machine's memory; None where it could not be read."""
+
+    total_ram: int | None
+    available_ram: int | None
+    device: int | None = None  # the accelerator's (CUDA, MPS) when the model trains there
+
+
+def usable_bytes(mem: Memory) -> int:
+    """The bytes a round may take: USABLE_SHARE of the RAM available now (of half the total when
+    'available' is unknown), and on an accelerator no more than that share of its memory too (the
+    model, gradients and optimiser live there; the base and residual copies stay in RAM)."""
+    if mem.available_ram is not None and mem.available_ram > 0:
+        ram = mem.available_ram
+    elif mem.total_ram is not None and mem.total_ram > 0:
+        ram = mem.total_ram // 2
+    else:
+        ram = FALLBACK_TOTAL_BYTES // 2
+    usable = int(ram * USABLE_SHARE)
+    if mem.device is not None and mem.device > 0:
+        usable = min(usable, int(mem.device * USABLE_SHARE))
+    return max(usable, 1)
+
+
+def default_max_params(mem: Memory) -> int:
+    """The --max-params default: the parameters whose training state (BYTES_PER_PARAM each) fills
+    PARAM_SHARE of the usable memory. 16 GB available on CPU: 9.6 GB usable, 257M parameters."""
+    return max(1, int(usable_bytes(mem) * PARAM_SHARE) // BYTES_PER_PARAM)
+
+
+def budget_bytes(max_params: int) -> int:
+    """The bytes a round may take under a cap of `max_params`: the cap's share (PARAM_SHARE) of a
+    budget, so context, batch size and downloads are bounded by the same one number."""
+    return max(MIN_BUDGET_BYTES, math.ceil(max_params * BYTES_PER_PARAM / PARAM_SHARE))
+
+
+def activation_bytes(cfg: ModelConfig, *, batch_size: int) -> int:
+    """Bytes of activations one local step keeps for its backward pass (fp32)."""
+    tokens = batch_size * cfg.context  # (B, T)
+    per_token = cfg.n_layer * ACTIVATION_VALUES_PER_TOKEN_DIM * cfg.d_model + LOGIT_COPIES * cfg.vocab_size
+    return 4 * tokens * per_token
+
+
+def round_bytes(n_params: int, cfg: ModelConfig, *, batch_size: int) -> int:
+    """Bytes a round of `cfg` at `batch_size` sequences per step takes, all told."""
+    return n_params * BYTES_PER_PARAM + activation_bytes(cfg, batch_size=batch_size)
+
+
+def snapshot_bytes(n_params: int) -> int:
+    """The most a snapshot of `n_params` parameters can weigh on the wire (fp32, zstd never grows
+    data by more than its framing): what a download of one is capped at."""
+    return 4 * n_params + SNAPSHOT_SLACK_BYTES
+
+
+def download_cap_bytes(max_params: int) -> int:
+    """The client's cap on any one answer: the largest snapshot the cap allows, or the largest shard."""
+    return max(snapshot_bytes(max_params), MAX_SHARD_BYTES)
+
+
+def lease_too_big(cfg: ModelConfig, *, batch_size: int, max_params: int) -> str | None:
+    """Why a lease of `cfg` at `batch_size` does not fit a worker capped at `max_params` (None: it
+    fits). The model is sized on the meta device: nothing is allocated, however large it claims to be."""
+    n = sum(math.prod(shape) for shape in meta_schema(cfg).values())
+    if n > max_params:
+        return (f"its model has {n:,} parameters, above this worker's limit of {max_params:,} (--max-params; "
+                f"the default comes from this machine's memory)")
+    need, budget = round_bytes(n, cfg, batch_size=batch_size), budget_bytes(max_params)
+    if need > budget:
+        return (f"a round of its model at batch {batch_size} x context {cfg.context} needs about "
+                f"{need / 1e9:.1f} GB ({n:,} parameters plus activations), above the {budget / 1e9:.1f} GB this "
+                f"worker's limit of {max_params:,} parameters allows (raise --max-params if this machine "
+                f"holds it)")
+    return None
+
+
+# -- this machine --------------------------------------------------------------------------------
+
+def parse_meminfo(text: str) -> tuple[int | None, int | None]:
+    """(MemTotal, MemAvailable) in bytes from /proc/meminfo's text (kB lines)."""
+    found: dict[str, int] = {}
+    for line in text.splitlines():
+        key, _, rest = line.partition(":")
+        parts = rest.split()
+        if key in ("MemTotal", "MemAvailable") and parts and parts[0].isdigit():
+            found[key] = int(parts[0]) * 1024
+    return found.get("MemTotal"), found.get("MemAvailable")
+
+
+def probe(device: torch.device) -> Memory:
+    """This machine's memory (Linux: /proc/meminfo; elsewhere the total from sysconf where it
+    exists), and the accelerator's when `device` is one."""
+    total = available = None
+    try:
+        with open("/proc/meminfo") as f:
+            total, available = parse_meminfo(f.read())
+    except OSError:
+        try:
+            total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (AttributeError, ValueError, OSError):
+            total = None
+    dev = None
+    try:
+        if device.type == "cuda":
+            dev = torch.cuda.mem_get_info(device)[0]  # (free, total): what is free now
+        elif device.type == "mps" and hasattr(torch.mps, "recommended_max_memory"):
+            dev = int(torch.mps.recommended_max_memory())
+    except (RuntimeError, AttributeError) as exc:
+        log.debug("cannot read %s memory (%s)", device.type, exc)
+    return Memory(total_ram=total, available_ram=available, device=dev)
