@@ -50,6 +50,7 @@ import multiprocessing
 import os
 import random
 import resource
+import secrets
 import shutil
 import signal
 import statistics
@@ -113,7 +114,7 @@ def build_entries(schema: dict[str, tuple[int, ...]], *, fraction: float, seed: 
 def encode_costs(schema: dict[str, tuple[int, ...]], entries: tuple[codec.Entry, ...], *,
                  fraction: float, reps: int = 5) -> dict:
     """What building a body costs: codec.encode with the entries reused (what the benchmark does per
-    base version), and the whole worker path compress() + quantise + encode from a dense
+    upload, with the lease's seeds), and the whole worker path compress() + quantise + encode from a dense
     pseudo-gradient (what it would cost per upload without the reuse)."""
     import torch
 
@@ -158,27 +159,28 @@ class ClientJob:
 
 
 class _Bodies:
-    """Encoded delta bodies, one per (variant, base version), built once off the event loop."""
+    """Encoded delta bodies, one per upload, built off the event loop: a variant's values at the
+    seeded indices of the lease's own seed (the coordinator takes random indices only where the
+    lease's seed draws them, and the same bytes only once per run), so each lease's body differs.
+    Only the seeds change (8 bytes per tensor: a SEEDED entry's indices are its seed), the values
+    are the variant's."""
 
     def __init__(self, entries: list[tuple[codec.Entry, ...]]) -> None:
         self.entries = entries
-        self.cache: dict[tuple[int, int], asyncio.Future] = {}
         self.encode_s: list[float] = []
 
-    def _encode(self, variant: int, base: int) -> bytes:
+    def _encode(self, variant: int, base: int, lease_seed: int) -> bytes:
+        from shared.algorithms.compress import tensor_seed
+
         t0 = time.perf_counter()
-        body = codec.encode(codec.Delta(base_version=base, entries=self.entries[variant]))
+        entries = tuple(codec.Entry(e.name, e.numel, e.index_kind, e.value_kind, e.values, None,
+                                    tensor_seed(lease_seed, e.name)) for e in self.entries[variant])
+        body = codec.encode(codec.Delta(base_version=base, entries=entries))
         self.encode_s.append(time.perf_counter() - t0)
         return body
 
-    async def get(self, variant: int, base: int) -> bytes:
-        key = (variant, base)
-        fut = self.cache.get(key)
-        if fut is None:
-            fut = self.cache[key] = asyncio.ensure_future(asyncio.to_thread(self._encode, variant, base))
-            for old in [k for k in self.cache if k[1] < base - 64]:  # versions nobody leases any more
-                del self.cache[old]
-        return await fut
+    async def get(self, variant: int, base: int, lease_seed: int) -> bytes:
+        return await asyncio.to_thread(self._encode, variant, base, lease_seed)
 
 
 class _Shas:
@@ -332,7 +334,7 @@ async def _worker(i: int, token: str, job: ClientJob, http: httpx.AsyncClient, r
         # think: the local round the lease stands for
         if not await _sleep_until(job.t_end, job.think_s * rng.uniform(0.5, 1.5)):
             return
-        body = await bodies.get(variant, base)
+        body = await bodies.get(variant, base, lease["seed"])
         while True:
             resp = await _request(http, rec, "upload", "POST", f"{API}/leases/{lease_id}/delta", (202,),
                                   content=body, headers={**auth, "Content-Type": "application/octet-stream"})
@@ -486,6 +488,7 @@ class Database:
 
 COORDINATOR_ENV = {
     "IDLETRAIN_REGISTER_RATE": "0",  # every simulated worker registers from 127.0.0.1
+    "IDLETRAIN_MAX_LEASES_PER_ADDRESS": "100000",  # ... and leases from it: up to 1000 at once
     "IDLETRAIN_SNAPSHOT_KEEP": "4",  # disk: a 124M snapshot is ~460 MB
     # what an operator of a 124M run sets (README, settings.snapshot_every): a snapshot takes seconds
     # of CPU and a 460 MB fsync, so one per merge batch would starve the uploads' fsyncs
@@ -602,12 +605,15 @@ def _run(mcfg, *, model: str, workers: list[int], think_s: float, duration_s: fl
     write_corpus(corpus, corpus_bytes)
     log_path = tmp / "coordinator.log"
     serve = [sys.executable, "-m", "idletrain", "--log-level", "WARNING", "coordinator", "serve",
-             "--port", str(port), "--data-dir", str(data_dir), "--processes", str(processes)]
+             "--port", str(port), "--data-dir", str(data_dir), "--processes", str(processes),
+             "--corpus-dir", str(tmp)]  # corpus.txt's folder: a run's corpus must be in an allowed one
+    admin = {"Authorization": f"Bearer {(token := secrets.token_urlsafe(32))}"}  # through the environment
     if db.url:
         serve += ["--database-url", db.url]
     log.info("starting the coordinator on %s (%s)", url, "PostgreSQL schema " + db.schema if db.url else "SQLite")
     with log_path.open("ab") as logf:
-        proc = subprocess.Popen(serve, stdout=logf, stderr=subprocess.STDOUT, env=_coordinator_env())
+        proc = subprocess.Popen(serve, stdout=logf, stderr=subprocess.STDOUT,
+                                env={**_coordinator_env(), "IDLETRAIN_ADMIN_TOKEN": token})
     http = httpx.Client(base_url=url, timeout=600)
     try:
         wait_healthy(http, proc, 120)
@@ -615,7 +621,7 @@ def _run(mcfg, *, model: str, workers: list[int], think_s: float, duration_s: fl
                "eval_tokens": EVAL_TOKENS, "eval_every": 10**9, "model": mcfg.to_dict(),
                "compression": {"index": "random", "fraction": fraction, "values": "int8"}}
         t0 = time.perf_counter()
-        resp = http.post(f"{API}/runs", json=cfg)
+        resp = http.post(f"{API}/runs", json=cfg, headers=admin)
         if resp.status_code != 201:
             raise RuntimeError(f"creating the run failed: {resp.status_code} {resp.text}")
         created = resp.json()
@@ -974,7 +980,7 @@ def markdown(result: dict) -> str:
               f"{goal['target_p99_ms']:g} ms and zero errors: **{'met' if goal['met'] else 'not met'}**; the largest "
               f"N that holds here: **{goal['largest_n_holding'] if goal['largest_n_holding'] else 'none'}**.",
               f"- Delta bodies: codec.encode with the entries reused {_fmt(d['encode_reused_entries_ms'])} ms per "
-              f"(variant, base version); the whole compress + encode from a dense pseudo-gradient "
+              f"upload (a variant's values at the lease's seeds); the whole compress + encode from a dense pseudo-gradient "
               f"{_fmt(d['compress_and_encode_ms'])} ms.",
               f"- grant_lease's shard pick (the first pending shard by times_trained, index) among "
               f"{meta['shard_scan_ms']['rows']:,} shards: {_fmt(meta['shard_scan_ms']['median_ms'])} ms for that "

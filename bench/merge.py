@@ -231,7 +231,7 @@ def measure_merger(mcfg: ModelConfig, *, n: int, fraction: float, root: Path, se
     corpus = root / "corpus.txt"
     corpus.write_text(" ".join(rng.choice(words, 12_000)))
     settings = CoordinatorSettings(data_dir=root / "data", lease_rate=0, upload_rate=0, register_rate=0,
-                                   checkpoint_every=10**9)
+                                   checkpoint_every=10**9, corpus_dirs=[root])  # corpus.txt's folder
     cfg = RunConfig(name="merge-bench", model=mcfg, corpus=str(corpus), corpus_max_bytes=1 << 16,
                     shard_tokens=1024, eval_every=10**9, eval_tokens=1024, seed=seed,
                     compression=CompressionConfig(index="random", fraction=fraction, values="int8"))
@@ -248,8 +248,9 @@ def measure_merger(mcfg: ModelConfig, *, n: int, fraction: float, root: Path, se
             lease = coord.grant_lease(cfg.name, worker)
             if lease is None:
                 raise RuntimeError("the benchmark's run handed out no lease")
+            # the lease's own seed: the coordinator takes random indices only where the lease's seed draws them
             body = codec.encode(make_delta(pg, kind="random", fraction=fraction, base_version=lease.base_version,
-                                           round_seed=seed + 1000 + i))
+                                           round_seed=lease.seed))
             coord.accept_delta(lease.lease_id, worker, body)
             t0 = time.perf_counter()
             if not merger.step(rt):
@@ -264,14 +265,14 @@ def measure_merger(mcfg: ModelConfig, *, n: int, fraction: float, root: Path, se
         while rt.version % Merger.BATCH:  # line the batches up with the snapshot interval
             lease = coord.grant_lease(cfg.name, worker)
             coord.accept_delta(lease.lease_id, worker, codec.encode(make_delta(
-                pg, kind="random", fraction=fraction, base_version=lease.base_version, round_seed=seed + 9_000)))
+                pg, kind="random", fraction=fraction, base_version=lease.base_version, round_seed=lease.seed)))
             merger.step(rt)
         batched: list[float] = []
         for b in range(max(1, n // Merger.BATCH)):
             for i in range(Merger.BATCH):
                 lease = coord.grant_lease(cfg.name, worker)
                 body = codec.encode(make_delta(pg, kind="random", fraction=fraction, base_version=lease.base_version,
-                                               round_seed=seed + 10_000 + b * Merger.BATCH + i))
+                                               round_seed=lease.seed))
                 coord.accept_delta(lease.lease_id, worker, body)
             t0 = time.perf_counter()
             done = merger.step(rt)

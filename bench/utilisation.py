@@ -39,6 +39,7 @@ import json
 import logging
 import os
 import platform
+import secrets
 import shutil
 import statistics
 import subprocess
@@ -90,6 +91,12 @@ MODES = {
 }
 
 
+def _folder_of(corpus: Path) -> Path:
+    """The folder a corpus path needs allowed: itself, or a file's own folder."""
+    corpus = corpus.resolve()
+    return corpus if corpus.is_dir() else corpus.parent
+
+
 class Coordinator:
     """`idletrain coordinator serve` on loopback in a subprocess, with a fresh data dir."""
 
@@ -102,7 +109,9 @@ class Coordinator:
                 "--data-dir", str(root / f"data-{'keeping' if keeping else 'plain'}")]
         self.proc = subprocess.Popen([sys.executable, "-c", _KEEPING if keeping else _PLAIN, *args], env=env,
                                      cwd=root, stdout=self._log, stderr=subprocess.STDOUT)
-        self.http = httpx.Client(base_url=self.url, timeout=300)
+        # create_run, status and healthz only: the operator's token on each is harmless
+        self.http = httpx.Client(base_url=self.url, timeout=300,
+                                 headers={"Authorization": f"Bearer {env['IDLETRAIN_ADMIN_TOKEN']}"})
         try:
             wait_healthy(self.http, self.proc, 120)
         except RuntimeError as exc:
@@ -229,6 +238,9 @@ def run(*, out: Path, rounds: int = 16, repeats: int = 2, steps: int = 20, batch
     root = Path(tempfile.mkdtemp(prefix="idletrain-util-"))
     env = {k: v for k, v in os.environ.items() if not k.startswith("IDLETRAIN_")}
     env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", IDLETRAIN_REGISTER_RATE="0",
+               # operator routes always need the admin token; a corpus path must be in an allowed folder
+               IDLETRAIN_ADMIN_TOKEN=secrets.token_urlsafe(32),
+               **({"IDLETRAIN_CORPUS_DIRS": str(_folder_of(Path(corpus)))} if corpus else {}),
                **(coordinator_env or {}))
     coords: dict[str, Coordinator] = {}
     patched = False

@@ -11,6 +11,9 @@
                   rotated checkpoints, exchanges, eval
     merger.py     the single merger thread: apply deltas in order, evaluate, checkpoint, GC
     credit.py     contributors' credit (pure): merged tokens times a quick-return bonus
+    admin.py      the operator's admin token: given, or generated into data_dir/admin_token (0600)
+    hosts.py      Host header validation (DNS rebinding): the pure check and its ASGI middleware
+    corpora.py    which corpus paths a run may read (pure): the allowed folders, symlinks resolved
     static/       dashboard.html, the page GET / serves
     models.py     database schema;  db.py  engine and sessions;  storage.py  atomic blob files
 """

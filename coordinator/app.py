@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import socket
 import threading
 
@@ -17,7 +18,7 @@ import torch
 from fastapi import FastAPI
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
-from coordinator import leader, timing
+from coordinator import admin, hosts, leader, limits, timing
 from coordinator.api import blobs, dashboard, errors, metrics, relay, runs, workers
 from coordinator.merger import Merger
 from coordinator.service import Coordinator
@@ -25,6 +26,9 @@ from coordinator.settings import CoordinatorSettings
 from shared import protocol
 
 log = logging.getLogger(__name__)
+
+# the routes whose bodies are deltas (coordinator/api/workers.py): streamed to disk under max_upload_bytes
+UPLOAD_PATHS = re.compile(rf"^{re.escape(protocol.API_PREFIX)}/leases/\d+/(delta|exchange)$")
 
 
 class Election:
@@ -36,6 +40,7 @@ class Election:
         self.leadership = leader.Leadership(coord.engine)
         coord.leadership = self.leadership
         self.listener: relay.LeaderListener | None = None
+        self._published = False  # whether leader.json says where self.listener is
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="idletrain-election", daemon=True)
 
@@ -56,11 +61,21 @@ class Election:
         if settings.relay:
             self.listener = relay.LeaderListener(self.app)
             self.listener.start()
-            leader.publish(settings.data_dir, self.listener.url)
+            self._publish()
         if self.start_merger:
             self.merger.start()
         log.info("process %d holds the merger lock: it merges%s", os.getpid(),
                  f" and takes relayed requests on {self.listener.url}" if self.listener else "")
+
+    def _publish(self) -> None:
+        """Write leader.json. Not fatal on a full disk: the other processes answer what needs the live
+        model with 503 meanwhile, and the election loop tries again every leader_poll_s."""
+        try:
+            leader.publish(self.coord.settings.data_dir, self.listener.url)
+            self._published = True
+        except OSError as exc:
+            log.error("cannot write %s (%s); other coordinator processes cannot relay here until it is written",
+                      leader.LEADER_FILE, exc)
 
     def _step_down(self) -> None:
         self.coord.leads = False
@@ -74,6 +89,7 @@ class Election:
             leader.unpublish(self.coord.settings.data_dir)
             self.listener.stop()
             self.listener = None
+            self._published = False
 
     def _loop(self) -> None:
         poll_s = self.coord.settings.leader_poll_s
@@ -85,6 +101,8 @@ class Election:
                         self._step_down()
                     else:
                         self.coord.sync_runs()
+                        if self.listener is not None and not self._published:
+                            self._publish()
                 elif self.leadership.try_take():
                     self._lead()
             except Exception:  # the database is away: keep trying
@@ -102,6 +120,8 @@ def create_app(settings: CoordinatorSettings, *, start_merger: bool = True) -> F
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         torch.set_num_threads(settings.eval_threads)
+        # before anything else: a token file open to others stops the start (coordinator/admin.py)
+        app.state.admin_token, _ = admin.ensure_token(settings.data_dir, settings.admin_token)
         coord = Coordinator(settings)
         app.state.metrics = metrics.AppMetrics(coord)
         merger = Merger(coord, on_merged=app.state.metrics.observe_merge)
@@ -121,6 +141,10 @@ def create_app(settings: CoordinatorSettings, *, start_merger: bool = True) -> F
     app = FastAPI(title="idletrain coordinator", version=str(protocol.API_VERSION), lifespan=lifespan)
     errors.install(app)
     app.add_middleware(timing.ServerTiming)  # each answer says where its time went (coordinator/timing.py)
+    # every JSON body capped at max_json_bytes before it is read; uploads stream under their own cap
+    app.add_middleware(limits.BodyCap, cap=settings.max_json_bytes, exempt=UPLOAD_PATHS)
+    # outermost: a request for a name this coordinator is not known by does nothing (DNS rebinding)
+    app.add_middleware(hosts.HostGuard, allowed=hosts.allowed_hosts(settings))
 
     @app.get("/healthz", response_model=protocol.Health, tags=["health"])
     async def healthz() -> protocol.Health:

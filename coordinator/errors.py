@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+
 from shared.errors import IdletrainError
 
 
@@ -34,6 +36,12 @@ class Gone(ServiceError):
     status_code = 410
 
 
+class RequestTimeout(ServiceError):
+    """408: the request's body stopped arriving (settings.body_timeout_s without a byte)."""
+
+    status_code = 408
+
+
 class PayloadTooLarge(ServiceError):
     status_code = 413
 
@@ -56,6 +64,41 @@ class Unavailable(ServiceError):
 
     def __init__(self, detail: str, *, retry_after: float = 1.0) -> None:
         super().__init__(detail, headers={"Retry-After": str(max(1, int(retry_after + 0.999)))})
+
+
+DISK_FULL_RETRY_S = 30.0  # what a disk-full 503 asks workers to wait: space comes back by hand, not in a second
+_DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
+_SQLITE_FULL = 13  # SQLITE_FULL: "database or disk is full"
+_PG_DISK_FULL = "53100"  # PostgreSQL's SQLSTATE disk_full
+
+
+class DiskFull(Unavailable):
+    """503: a write failed for want of space (ENOSPC, EDQUOT, or the database's own "disk full"); nothing
+    was acknowledged, and the same request succeeds once the operator frees space."""
+
+    def __init__(self, detail: str = "the coordinator's disk is full; retry later", *,
+                 retry_after: float = DISK_FULL_RETRY_S) -> None:
+        super().__init__(detail, retry_after=retry_after)
+
+
+def is_disk_full(exc: BaseException | None) -> bool:
+    """Whether `exc`, or an error it wraps (SQLAlchemy's `.orig`, a `raise ... from`), says the disk
+    or the quota is full: an OSError with ENOSPC or EDQUOT, SQLite's SQLITE_FULL, PostgreSQL's 53100."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError):
+            if exc.errno in _DISK_FULL_ERRNOS:
+                return True
+        elif getattr(exc, "sqlstate", None) == _PG_DISK_FULL:
+            return True
+        elif type(exc).__module__ == "sqlite3" and (
+                getattr(exc, "sqlite_errorcode", None) == _SQLITE_FULL or "database or disk is full" in str(exc)):
+            # SQLite's own words, not SQLAlchemy's wrapper (whose text holds the statement's parameters,
+            # which a client chose); the error code is there only when the sqlite3 module sets it
+            return True
+        exc = getattr(exc, "orig", None) or exc.__cause__ or exc.__context__
+    return False
 
 
 class RunUnrecoverable(IdletrainError):

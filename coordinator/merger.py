@@ -31,6 +31,10 @@ class Merger:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.last_error: str | None = None
+        # runs whose live model may be ahead of the database (a merge step moved the weights, then its
+        # snapshot or its commit failed: a full disk) and whose reload failed too: reloaded before merging
+        self._behind: set[int] = set()
+        self._errors = 0  # loop iterations in a row that failed: its backoff
 
     def start(self) -> None:
         self._stop.clear()
@@ -46,8 +50,13 @@ class Merger:
             self._thread = None
         if checkpoint and self.coord.still_leading():
             for rt in self.coord.runtime_list():
-                with rt.lock:
-                    rt.write_checkpoint()
+                if rt.run_id in self._behind:
+                    continue  # ahead of the database: the restart rebuilds it from what was committed
+                try:
+                    with rt.lock:
+                        rt.write_checkpoint()
+                except OSError:  # a full disk: the restart replays from the last checkpoint, nothing is lost
+                    log.exception("run %s: no checkpoint at shutdown", rt.config.name)
 
     def _loop(self) -> None:
         last_expiry = 0.0
@@ -59,17 +68,21 @@ class Merger:
                 if time.monotonic() - last_expiry > 1.0:
                     self.coord.expire_leases()
                     last_expiry = time.monotonic()
-            except Exception as exc:  # keep merging other runs; the error is visible in logs
-                log.exception("merger error")
-                self.last_error = repr(exc)
-                self._stop.wait(1.0)
-            if not worked:
-                try:
+                if not worked:  # idle: what merging held back, or a full disk kept from being written
                     for rt in self.coord.runtime_list():
                         self.catch_up_snapshot(rt)
-                except Exception as exc:
-                    log.exception("snapshot error")
-                    self.last_error = repr(exc)
+                        self.catch_up_checkpoint(rt)
+            except Exception as exc:  # the error is visible in logs; try again after a backoff
+                self._errors += 1
+                # 1, 2, 4 ... RETRY_MAX_S seconds: a full disk stays full for minutes, and each try
+                # may cost a reload (checkpoint + replay) and a log line
+                wait = min(self.RETRY_MAX_S, 2.0 ** (self._errors - 1))
+                log.exception("merger error (%d in a row); next try in %.0f s", self._errors, wait)
+                self.last_error = repr(exc)
+                self._stop.wait(wait)
+                continue
+            self._errors = 0
+            if not worked:
                 self._stop.wait(self.coord.settings.merge_idle_s)
 
     def catch_up_snapshot(self, rt: RunRuntime) -> bool:
@@ -86,6 +99,20 @@ class Merger:
                   rt.snapshot_cost_s)
         return True
 
+    def catch_up_checkpoint(self, rt: RunRuntime) -> bool:
+        """Idle: write the checkpoint that a full disk kept from being written (at its checkpoint_every
+        version, or after a restart's replay), once one is overdue. True if one was written."""
+        if rt.run_id in self._behind:
+            return False
+        kept = self.coord.storage.list_checkpoints(rt.run_id)
+        if kept and rt.version < kept[0][0] + self.coord.settings.checkpoint_every:
+            return False
+        with rt.lock:  # exchanges (sparta) may be changing the weights meanwhile
+            rt.write_checkpoint()
+        self.coord.prune_history(rt)
+        log.info("run %s: overdue checkpoint of version %d written", rt.config.name, rt.version)
+        return True
+
     def drain(self) -> int:
         """Merge everything queued now, synchronously (tests and shutdown use it)."""
         n = 0
@@ -95,22 +122,25 @@ class Merger:
         return n
 
     BATCH = 16  # deltas merged under one hold of the run's lock and committed in one transaction
+    RETRY_MAX_S = 30.0  # the longest wait between the loop's tries after errors in a row
 
     def step(self, rt: RunRuntime) -> int:
         """Merge the next queued deltas of one run (up to BATCH, one transaction). Returns how many
-        were processed (0: none queued)."""
+        were processed (0: none queued). A run the last step left ahead of the database is reloaded
+        first (raises while that still fails)."""
+        rt = self._current(rt)
         settings, cfg = self.coord.settings, rt.config
         with self.coord.sessions() as s:
             rows = s.execute(select(DeltaRecord.seq, DeltaRecord.base_version, DeltaRecord.lease_id,
-                                    DeltaRecord.sha256).where(
+                                    DeltaRecord.sha256, DeltaRecord.worker_id).where(
                 DeltaRecord.run_id == rt.run_id, DeltaRecord.seq > rt.version,
                 DeltaRecord.seq <= rt.version + self.BATCH + 1).order_by(DeltaRecord.seq)).all()
-        items: list[tuple[int, int]] = []
-        for seq, base, lease_id, sha in rows[:self.BATCH]:
+        items: list[tuple[int, int, int]] = []  # (seq, base version, worker): the screen judges each worker's own record
+        for seq, base, lease_id, sha, worker_id in rows[:self.BATCH]:
             if seq != rt.version + 1 + len(items):
                 break  # a gap: the row of the next sequence number is not committed yet
             rt.storage.adopt_delta(rt.run_id, seq, lease_id, sha)  # staged by the upload: now named by seq
-            items.append((seq, base))
+            items.append((seq, base, worker_id))
             # a batch ends where a snapshot, an evaluation or a checkpoint is due
             if any(seq % every == 0 for every in (settings.snapshot_every, cfg.eval_every, settings.checkpoint_every)):
                 break
@@ -125,12 +155,21 @@ class Merger:
         # The version is committed before the lock is released: an exchange that follows this
         # merge (and records after_version = this version) can never be ahead of the database.
         with rt.lock:
-            outs = rt.merge_batch(items, write_snapshot=snapshot)
             try:
+                outs = rt.merge_batch(items, write_snapshot=snapshot)
                 self._commit(rt, outs)
             except Exception:
-                # The weights moved but the database did not: rebuild this run from disk, retry later.
-                self.coord.reload_run(rt.run_id)
+                # The weights moved (merge_batch moves them before it writes the snapshot) but the
+                # database did not: rebuild this run from its checkpoint and a replay of what was
+                # committed. Should that fail too, every later step tries again before it merges, so
+                # merging resumes on its own once the disk has room; the fence in _commit keeps any
+                # delta from being merged twice.
+                self._behind.add(rt.run_id)
+                try:
+                    self._reload(rt.run_id)
+                except Exception:
+                    log.exception("run %s: reload after a failed merge step failed; retrying before the "
+                                  "next merge", cfg.name)
                 raise
         merge_s = (time.perf_counter() - t0) / len(outs)
         for out in outs:
@@ -149,6 +188,18 @@ class Merger:
             self.coord.prune_history(rt)
         log.debug("merged seq %d..%d in %.1f ms", items[0][0], last, 1000 * (time.perf_counter() - t0))
         return len(outs)
+
+    def _current(self, rt: RunRuntime) -> RunRuntime:
+        """The run's live model to merge into: reloaded first if it is behind (see step), and the one
+        the coordinator holds now (a reload replaced the object the caller may still hold)."""
+        if rt.run_id in self._behind:
+            self._reload(rt.run_id)
+        return self.coord.runtimes.get(rt.run_id, rt)
+
+    def _reload(self, run_id: int) -> None:
+        self.coord.reload_run(run_id)
+        self._behind.discard(run_id)
+        log.info("run %d reloaded from its checkpoint and the committed deltas", run_id)
 
     def _commit(self, rt: RunRuntime, outs: list[MergeOutcome]) -> None:
         first, last = outs[0].version, outs[-1].version

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from sqlalchemy import and_, bindparam, case, func, insert, select, update
 
-from coordinator.models import DeltaRecord, Lease, ModelVersion, Run, Shard, Worker
+from coordinator.models import DeltaRecord, Exchange, Lease, ModelVersion, Run, Shard, Worker
 
 
 def unheld(shard_id) -> object:
@@ -76,26 +76,43 @@ NEWEST_SNAPSHOT = newest_snapshot(bindparam("run"))
 INSERT_LEASE = (insert(Lease).values(run_id=bindparam("run"), worker_id=bindparam("worker"),
                                      shard_id=bindparam("shard"), base_version=NEWEST_SNAPSHOT, seed=0,
                                      lr=bindparam("lease_lr"), state="active", deadline=bindparam("until"),
-                                     created_at=bindparam("now"))
+                                     created_at=bindparam("now"), client=bindparam("client"))
                 .returning(Lease.id, Lease.base_version))
+# live leases of a run held from one client address (settings.max_leases_per_address caps them)
+LEASES_OF_CLIENT = select(func.count()).select_from(Lease).where(
+    Lease.run_id == bindparam("run"), Lease.client == bindparam("client"), Lease.state == "active",
+    Lease.deadline > bindparam("now"))
+# (received_at, lease created_at) of a run's newest deliveries: its expected round (scheduler.lease_lifetime_s)
+RECENT_ROUNDS = (select(DeltaRecord.received_at, Lease.created_at).join(Lease, Lease.id == DeltaRecord.lease_id)
+                 .where(DeltaRecord.run_id == bindparam("run")).order_by(DeltaRecord.seq.desc()).limit(64))
 LEASE_SEED = update(Lease).where(Lease.id == bindparam("lease")).values(seed=bindparam("lease_seed"))
 
 # -- uploads --------------------------------------------------------------------------------------
 
 # what accept_delta checks before anything is written: the lease, its run and an earlier delivery
-UPLOAD_CHECK = (select(Lease.worker_id, Lease.run_id, Lease.shard_id, Lease.base_version, Lease.state,
+UPLOAD_CHECK = (select(Lease.worker_id, Lease.run_id, Lease.shard_id, Lease.base_version, Lease.state, Lease.seed,
                        Run.name.label("run_name"), Run.version.label("run_version"), Run.config_json,
                        DeltaRecord.id.label("delta_id"), DeltaRecord.seq.label("delta_seq"),
                        DeltaRecord.sha256.label("delta_sha256"))
                 .join(Run, Run.id == Lease.run_id)
                 .outerjoin(DeltaRecord, DeltaRecord.lease_id == Lease.id)
                 .where(Lease.id == bindparam("lease")))
+# the sparse exchanges a lease made (sparta): what an empty end-of-round delta is credited for
+EXCHANGES_OF = select(func.count()).select_from(Exchange).where(Exchange.lease_id == bindparam("lease"))
 DELIVERED_OF = select(DeltaRecord.id, DeltaRecord.seq, DeltaRecord.sha256).where(
     DeltaRecord.lease_id == bindparam("lease"))
 # Only one delivery per lease: a second (the same upload racing itself, maybe in another process)
 # waits for the first's row lock and then finds the lease delivered (no row).
 LEASE_DELIVERED = update(Lease).where(Lease.id == bindparam("lease"), Lease.state != "delivered").values(
-    state="delivered")
+    state="delivered").returning(Lease.deadline)
+# A later lease on the same shard that is live or delivered: the shard was re-issued after this lease
+# (lease ids only grow), so this lease, expired, may no longer deliver it
+SHARD_REISSUED = select(Lease.id).where(Lease.shard_id == bindparam("shard"), Lease.id > bindparam("lease"),
+                                        Lease.state.in_(("active", "delivered"))).limit(1)
+# Another lease of the run already delivered these exact bytes: identical content is merged once
+SAME_CONTENT = select(DeltaRecord.lease_id).where(DeltaRecord.run_id == bindparam("run"),
+                                                  DeltaRecord.sha256 == bindparam("digest"),
+                                                  DeltaRecord.lease_id != bindparam("lease")).limit(1)
 # The shard is done, unless a late delivery finds it leased again to someone else: then that lease
 # still holds it (its trained count goes up all the same).
 SHARD_TRAINED = update(Shard).where(Shard.id == bindparam("shard")).values(

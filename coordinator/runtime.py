@@ -9,7 +9,9 @@ deltas decode onto global indices, the momentum step is lazy from 4M parameters 
 gives the plain per-tensor form. A checkpoint holds everything the merge depends on, exactly as
 it is in memory: the flat weights and momentum with their scalars, the group's pending deltas
 and count, the version, the robust-merge norm history and the last exchange folded in (older
-checkpoints, per tensor, still load). Data position (shards done / leased / pending) lives in the
+checkpoints, per tensor, still load), and the screen's state (robust.py: each worker's recent
+delta and exchange norms, its merged count for the ramp, and the coordinator's own reference
+round's norm, computed once per run by `calibrate`). Data position (shards done / leased / pending) lives in the
 database, committed with each lease and delta. The coordinator draws no random numbers: every
 seed it hands out is derived from the run's seed and a lease id, so there is no RNG to save.
 """
@@ -34,6 +36,7 @@ import torch
 from coordinator.storage import Storage
 from shared import codec
 from shared.algorithms import robust, sparta
+from shared.algorithms.inner import make_optimizer, pseudo_gradient, run_steps
 from shared.algorithms.outer import FlatOuter, OuterState, staleness_weight
 from shared.config import RunConfig
 from shared.errors import DeltaFormatError
@@ -63,12 +66,27 @@ class RunRuntime:
     lazy_momentum: bool | None = None
 
     def __init__(self, *, run_id: int, config: RunConfig, storage: Storage, state: OuterState | FlatOuter,
-                 version: int, norm_history: list[float] | None = None, last_exchange_id: int = 0) -> None:
+                 version: int, norm_history: list[float] | None = None, last_exchange_id: int = 0,
+                 screen: dict | None = None) -> None:
         self.run_id = run_id
         self.config = config
         self.storage = storage
         self.version = version
-        self.norm_history: list[float] = list(norm_history or [])  # robust merging: recent merged norms
+        # Robust merging's state (shared/algorithms/robust.py), checkpointed so a replay decides alike:
+        # recent merged delta norms and answered exchange distances, per worker; merged deltas per
+        # worker (the ramp); the norm of the coordinator's own reference round (None: not calibrated).
+        # A checkpoint from before per-worker norms (`norm_history`) counts each old norm as its own worker.
+        screen = screen or {}
+        self.norms = robust.Norms.from_json(screen["deltas"]) if "deltas" in screen else \
+            robust.Norms({f"#{i}": [float(x)] for i, x in enumerate(norm_history or [])})
+        self.exchange_norms = robust.Norms.from_json(screen.get("exchanges", []))
+        self.merged_by: dict[str, int] = {str(k): int(v) for k, v in screen.get("merged", {}).items()}
+        self.reference_norm: float | None = screen.get("reference")
+        # The reference round's own pseudo-gradient, flat: the consensus direction until the outer
+        # momentum has one (a random direction has cosine ~0 with it, an honest round a clearly positive
+        # one), so a burst of deltas before any honest one cannot steer the model. Dropped, for good, at
+        # the first delta whose support meets a non-zero momentum; checkpointed until then.
+        self.reference_delta: torch.Tensor | None = None
         self.last_exchange_id = last_exchange_id  # the newest exchange folded into `state`
         self.model: TransformerLM = build_model(config.model, seed=config.seed)
         self.schema = param_schema(self.model)
@@ -81,6 +99,10 @@ class RunRuntime:
         inner = config.inner
         self.adam_bound = robust.adam_bound(steps=inner.steps, lr=inner.lr,
                                             n_params=sum(p.numel() for p in self.model.parameters()))
+        comp = config.compression  # unsent values wait in the worker's residual only with error feedback
+        self.element_bound = robust.element_bound(
+            steps=inner.steps, lr=inner.lr,
+            fraction=comp.fraction if comp.index != "dense" and comp.error_feedback else 1.0)
         self._eval_tokens: torch.Tensor | None = None
         self.lock = threading.Lock()  # held while the state changes or is read (evaluation, snapshot, checkpoint)
         # the last snapshot this process wrote: its version (None: not known yet, ask the database),
@@ -88,6 +110,40 @@ class RunRuntime:
         self.snapshot_version: int | None = None
         self.snapshot_cost_s = 0.0
         self.snapshot_done_at = -math.inf
+
+    @property
+    def norm_history(self) -> list[float]:
+        """The recent merged norms, each worker's in turn (read-only: the screen keeps `norms`)."""
+        return [x for v in self.norms.by_worker.values() for x in v]
+
+    def screen_json(self) -> dict:
+        """The screen's state as the checkpoint keeps it."""
+        return {"deltas": self.norms.to_json(), "exchanges": self.exchange_norms.to_json(),
+                "merged": self.merged_by, "reference": self.reference_norm}
+
+    def calibrate(self, tokens: torch.Tensor) -> float:
+        """Train the coordinator's own reference round once per run: reference_steps AdamW steps of
+        the run's initial model at the peak lr (no warm-up) on `tokens` (a training shard), batches
+        drawn from the run's seed; its pseudo-gradient's norm, scaled up linearly to the round's H
+        steps, is an upper bound of an honest round's (steps in a consistent direction add up
+        linearly at most; measured honest rounds reach 0.92x it) that no worker can shape. Kept in
+        the checkpoint: computed once, the same after any restart."""
+        inner = self.config.inner
+        k = min(inner.steps, self.config.robust.reference_steps)
+        model = build_model(self.config.model, seed=self.config.seed)
+        base = get_params(model)
+        opt = make_optimizer(model, inner)
+        cfg = inner.model_copy(update={"warmup_steps": 0})
+        run_steps(model, opt, tokens, cfg, lr=inner.lr, steps=k,
+                  generator=torch.Generator().manual_seed(self.config.seed))
+        pg = pseudo_gradient(base, get_params(model))
+        norm = math.sqrt(sum(float(torch.sum(t.double() * t.double())) for t in pg.values()))
+        self.reference_norm = norm * inner.steps / k
+        flat = torch.zeros_like(self.outer.m)
+        for name, off in self.outer.offsets.items():
+            flat[off:off + pg[name].numel()] = pg[name].reshape(-1)
+        self.reference_delta = flat
+        return self.reference_norm
 
     @property
     def state(self) -> OuterState:
@@ -135,9 +191,11 @@ class RunRuntime:
         """Atomically write the state as checkpoints/<version>.ckpt; keep the newest few."""
         # The flat state exactly as it is (not materialised), so a restart continues bit for bit.
         tensors, outer_meta = self.outer.checkpoint()
+        if self.reference_delta is not None:
+            tensors["screen/reference"] = self.reference_delta
         tensors = {k: v.contiguous() for k, v in tensors.items()}
         meta = {"version": str(self.version), "in_group": str(self.outer.in_group),
-                "norm_history": json.dumps(self.norm_history), "last_exchange_id": str(self.last_exchange_id),
+                "screen": json.dumps(self.screen_json()), "last_exchange_id": str(self.last_exchange_id),
                 "config": self.config.model_dump_json(), **outer_meta}
         # The file in parts straight from the tensors' memory: nothing copied, so the GIL is not held
         # for seconds (safetensors.torch.save and a join would: every request of this process waits).
@@ -180,46 +238,52 @@ class RunRuntime:
             state: OuterState | FlatOuter = FlatOuter.from_checkpoint(tensors, meta, in_group=int(meta["in_group"]))
         else:  # written before the flat form: the plain tensors, converted on load
             state = OuterState.from_tensors(tensors, in_group=int(meta["in_group"]))
-        return cls(run_id=run_id, config=config, storage=storage, state=state, version=int(meta["version"]),
-                   norm_history=json.loads(meta.get("norm_history", "[]")),
-                   last_exchange_id=int(meta.get("last_exchange_id", "0")))
+        rt = cls(run_id=run_id, config=config, storage=storage, state=state, version=int(meta["version"]),
+                 norm_history=json.loads(meta.get("norm_history", "[]")),
+                 last_exchange_id=int(meta.get("last_exchange_id", "0")),
+                 screen=json.loads(meta["screen"]) if "screen" in meta else None)
+        rt.reference_delta = tensors.get("screen/reference")
+        return rt
 
     # -- merging and evaluation ----------------------------------------------------------------
 
-    def merge(self, *, seq: int, base_version: int, write_snapshot: bool = True) -> MergeOutcome:
+    def merge(self, *, seq: int, base_version: int, write_snapshot: bool = True,
+              worker: int | None = None) -> MergeOutcome:
         """Process the delta stored as `seq` (which must be version + 1) and write its snapshot.
 
         Replay on restart passes write_snapshot=False: those versions already have their snapshot
         files and recorded hashes (written before the version was committed), so rewriting them is
-        wasted work; they would come out byte-identical (shared/snapshot.py encodes deterministically)."""
+        wasted work; they would come out byte-identical (shared/snapshot.py encodes deterministically).
+        worker: the id of the worker that sent it (its record sets the ramp and its norms count as
+        its own); None: unknown, the delta counts as a worker of its own at full weight."""
         if seq != self.version + 1:
             raise RuntimeError(f"merge order broken: next version is {self.version + 1}, got seq {seq}")
-        out = self._merge_one(seq, base_version, self._read_decode)
+        out = self._merge_one(seq, base_version, self._read_decode, worker)
         return self._finish(out, write_snapshot)
 
-    def merge_batch(self, items: Sequence[tuple[int, int]], *, write_snapshot: bool = True,
-                    prefetch: bool = False) -> list[MergeOutcome]:
+    def merge_batch(self, items: Sequence[tuple[int, int] | tuple[int, int, int | None]], *,
+                    write_snapshot: bool = True, prefetch: bool = False) -> list[MergeOutcome]:
         """Process several stored deltas in order: items = [(seq, base_version), ...], seqs consecutive
-        from version + 1. The same outcomes as calling merge() on each in turn (the same decisions and
-        arithmetic), but only the last version gets a snapshot (write_snapshot=True) -- the others carry
+        from version + 1, or [(seq, base_version, worker id), ...] (see merge). The same outcomes as
+        calling merge() on each in turn (the same decisions and arithmetic), but only the last version gets a snapshot (write_snapshot=True) -- the others carry
         snapshot_sha256 "" and size 0, as merge(write_snapshot=False) does. prefetch: read and decode
         the next deltas on a helper thread meanwhile (off by default: on the 2-core reference machine
         it did not pay, docs/BENCHMARKS.md). The caller holds `lock`."""
-        items = list(items)
-        for i, (seq, _) in enumerate(items):
+        items = [(it[0], it[1], it[2] if len(it) > 2 else None) for it in items]
+        for i, (seq, _, _) in enumerate(items):
             if seq != self.version + 1 + i:
                 raise RuntimeError(f"merge order broken: item {i} should be seq {self.version + 1 + i}, got {seq}")
         if not items:
             return []
         outcomes: list[MergeOutcome] = []
         if not prefetch:
-            outcomes = [self._merge_one(seq, base, self._read_decode) for seq, base in items]
+            outcomes = [self._merge_one(seq, base, self._read_decode, worker) for seq, base, worker in items]
             outcomes[-1] = self._finish(outcomes[-1], write_snapshot)
             return outcomes
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="idletrain-decode") as pool:
-            futures = {seq: pool.submit(self._read_decode, seq) for seq, _ in items}
-            for seq, base in items:
-                outcomes.append(self._merge_one(seq, base, lambda s: futures[s].result()))
+            futures = {seq: pool.submit(self._read_decode, seq) for seq, _, _ in items}
+            for seq, base, worker in items:
+                outcomes.append(self._merge_one(seq, base, lambda s: futures[s].result(), worker))
         outcomes[-1] = self._finish(outcomes[-1], write_snapshot)
         return outcomes
 
@@ -231,7 +295,7 @@ class RunRuntime:
         except (OSError, DeltaFormatError) as exc:
             return exc
 
-    def _merge_one(self, seq: int, base_version: int, fetch) -> MergeOutcome:
+    def _merge_one(self, seq: int, base_version: int, fetch, worker: int | None = None) -> MergeOutcome:
         staleness = self.version - base_version
         cfg = self.config.outer
         weight = staleness_weight(max(0, staleness), cfg)
@@ -250,12 +314,23 @@ class RunRuntime:
                 # the outer momentum is the recent consensus direction (all zeros before the first group);
                 # the flat state keeps it as m = s M, and the cosine is the same against M
                 norm, cosine = robust.flat_delta_stats(delta, self.outer.m)
-                verdict = robust.decide(norm, cosine, history=self.norm_history, cfg=self.config.robust,
-                                        bound=self.adam_bound)
+                if cosine is not None:  # the momentum speaks: the reference round's direction is done with
+                    self.reference_delta = None
+                elif self.reference_delta is not None:
+                    norm, cosine = robust.flat_delta_stats(delta, self.reference_delta)
+                rcfg = self.config.robust
+                verdict = robust.decide(norm, cosine, history=self.norms, cfg=rcfg, bound=self.adam_bound,
+                                        peak=robust.flat_max_abs(delta), elements=self.element_bound,
+                                        reference_norm=self.reference_norm)
                 reason, merged = verdict.reason, verdict.merged
+                # an unknown sender counts as a worker of its own, at full weight (unit tests, old rows)
+                key = f"#{seq}" if worker is None else str(worker)
                 if merged:
-                    self.outer.apply(delta, weight=weight * verdict.scale, cfg=cfg)
-                robust.remember(self.norm_history, verdict, self.config.robust)
+                    ramp = 1.0 if worker is None else robust.ramp_weight(self.merged_by.get(key, 0), rcfg)
+                    self.outer.apply(delta, weight=weight * verdict.scale * ramp, cfg=cfg)
+                    if worker is not None:
+                        self.merged_by[key] = self.merged_by.get(key, 0) + 1
+                robust.remember(self.norms, verdict, rcfg, worker=key)
         self.version = seq
         return MergeOutcome(seq, merged, staleness, weight, reason, "", 0,
                             norm=verdict.norm if verdict else None, cosine=verdict.cosine if verdict else None,
@@ -267,10 +342,25 @@ class RunRuntime:
         sha, size = self.write_snapshot()
         return dataclasses.replace(out, snapshot_sha256=sha, snapshot_size=size)
 
-    def exchange(self, sent: codec.Delta, *, exchange_id: int | None = None) -> codec.Delta:
+    def _centre_values(self, e: codec.Entry) -> torch.Tensor:
+        return self.outer.weights_at(torch.from_numpy(e.indices) + self.outer.offsets[e.name])
+
+    def screen_exchange(self, sent: codec.Delta, *, steps: int) -> robust.Verdict:
+        """Whether `sent` (its distance from the centre) passes the screen (caller holds `lock`):
+        `steps`, the AdamW steps trained in the run so far and in flight (robust.exchange_element_bound)."""
+        norm, peak = robust.exchange_stats(sent, self._centre_values)
+        return robust.decide_exchange(norm, peak, history=self.exchange_norms, cfg=self.config.robust,
+                                      elements=robust.exchange_element_bound(steps=steps, lr=self.config.inner.lr))
+
+    def exchange(self, sent: codec.Delta, *, exchange_id: int | None = None, worker: int | None = None) -> codec.Delta:
         """Fold one sparse exchange into the global model (caller holds `lock`); returns the correction.
 
-        Replay passes the recorded exchange_id; live exchanges set it once their row is committed."""
+        Replay passes the recorded exchange_id; live exchanges set it once their row is committed.
+        worker: the sender, whose exchange distances the screen keeps (None: not recorded)."""
+        if worker is not None:
+            norm, _ = robust.exchange_stats(sent, self._centre_values)
+            if math.isfinite(norm) and norm > 0:
+                self.exchange_norms.add(str(worker), norm, self.config.robust)
         cfg = self.config.sparta
         # sparta's mix on theta = T - C M (T itself while C = 0), written through T; weights_at first
         # flushes the weights' deferred share of the pending deltas into T

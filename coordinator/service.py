@@ -17,30 +17,31 @@ import math
 import secrets
 import threading
 import time
+from collections.abc import Callable
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import torch
 import zstandard
 from sqlalchemy import Connection, Row, and_, case, func, or_, select, update
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
-from coordinator import credit, queries, scheduler, timing, trust
+from coordinator import corpora, credit, limits, queries, scheduler, timing, trust
 from coordinator.db import init_db, make_engine, make_sessionmaker
 from coordinator.errors import (Conflict, Forbidden, Gone, NotFound, RunUnrecoverable, ServiceError, TooManyRequests,
                                 Unauthorized, Unavailable, Unprocessable)
 from coordinator.leader import Leadership
 from coordinator.models import (DeltaRecord, EvalResult, Exchange, Lease, ModelVersion, Refusal, Run, Shard, Worker,
                                 utcnow)
-from coordinator.ratelimit import RateLimiter
+from coordinator.ratelimit import RateLimiter, client_key
 from coordinator.runtime import RunRuntime
 from coordinator.settings import CoordinatorSettings
-from coordinator.storage import Storage
+from coordinator.storage import ReceivedBody, Storage
 from coordinator.traffic import TrafficCounter
 from shared import codec, kernels, protocol
 from shared.algorithms import sparta, sync
-from shared.algorithms.compress import k_for, tensor_seed
+from shared.algorithms.compress import k_for, shape_mismatch, tensor_seed
 from shared.algorithms.inner import scheduled_lr
 from shared.config import RunConfig
 from shared.data import cut_shards, load_corpus
@@ -95,6 +96,15 @@ def _thin(points: list, limit: int) -> list:
     return [points[round(i * step)] for i in range(limit)]
 
 
+class _Refused(Exception):
+    """An upload refused inside the acknowledgement's transaction (Coordinator._ack): `error` to
+    raise once the refusal is counted, `reason` when it counts against the worker's standing."""
+
+    def __init__(self, error: ServiceError, reason: str | None) -> None:
+        super().__init__(error.detail)
+        self.error, self.reason = error, reason
+
+
 class Coordinator:
     """Owns the database, the blob storage and each run's live state."""
 
@@ -128,15 +138,22 @@ class Coordinator:
                                     "upload": (settings.upload_rate, settings.upload_burst),
                                     "exchange": (settings.exchange_rate, settings.exchange_burst),
                                     "register": (settings.register_rate, settings.register_burst)})
+        # HTTP-layer bounds (coordinator/limits.py), per process: the routes hold an upload's or an
+        # exchange's slot from before its body is read; decoding a body holds a validation slot
+        self.uploads_in_flight = limits.InFlight(settings.max_concurrent_uploads, what="delta uploads")
+        self.exchanges_in_flight = limits.InFlight(settings.max_concurrent_exchanges, what="exchanges")
+        self.validations = limits.Slots(settings.max_validations, wait_s=settings.validation_wait_s,
+                                        what="checking other uploads")
 
     # -- runs ---------------------------------------------------------------------------------
 
     def create_run(self, cfg: RunConfig) -> protocol.RunCreated:
+        source = corpora.confine(cfg.corpus, self.settings.allowed_corpus_dirs)  # before reading a byte of it
         with self.sessions() as s:
             if s.scalar(select(Run.id).where(Run.name == cfg.name)) is not None:
                 raise Conflict(f"a run named {cfg.name!r} exists already; pick another name")
         try:
-            corpus = load_corpus(cfg.corpus, max_bytes=cfg.corpus_max_bytes)
+            corpus = load_corpus(source, max_bytes=cfg.corpus_max_bytes)
             shards = cut_shards(corpus.train, cfg.shard_tokens, shuffle_seed=cfg.seed if cfg.shuffle_shards else None)
         except ValueError as exc:
             raise Unprocessable(str(exc)) from None
@@ -161,6 +178,7 @@ class Coordinator:
                                     sha256=hashlib.sha256(tokens.tobytes()).hexdigest()))
         self.storage.write(self.storage.eval_tokens(run_id), corpus.eval.tobytes())
         rt = RunRuntime.fresh(run_id=run_id, config=cfg, storage=self.storage)
+        self._calibrate(rt)
         sha, size = rt.write_snapshot()
         rt.write_checkpoint()
         loss = rt.evaluate()
@@ -286,9 +304,13 @@ class Coordinator:
         with rt.lock:  # exchanges (sparta) may be changing the weights meanwhile
             version = rt.version
             sha, size = rt.write_snapshot()
-        with self.sessions() as s:
-            s.add(ModelVersion(run_id=rt.run_id, version=version, sha256=sha, size_bytes=size))
-            s.commit()
+        try:
+            with self.sessions() as s:
+                s.add(ModelVersion(run_id=rt.run_id, version=version, sha256=sha, size_bytes=size))
+                s.commit()
+        except BaseException:
+            rt.snapshot_version = None  # the file is there, its row is not: the merger's catch-up asks again
+            raise
         return True
 
     def _load_run(self, run: Run) -> None:
@@ -306,15 +328,53 @@ class Coordinator:
         if rt is None:
             log.warning("run %s: no usable checkpoint; replaying from version 0", run.name)
             rt = RunRuntime.fresh(run_id=run.id, config=cfg, storage=self.storage)
+            self._calibrate(rt)  # as create_run did: the replay takes the same decisions
         deltas, exchanges = self._replay(rt, run.version)
-        if deltas or exchanges:
-            rt.write_checkpoint()
-            self.prune_history(rt)
-        self.snapshot_newest(rt)  # the crash came between snapshots: write the newest now, so leases hand it out
+        calibrated = rt.reference_norm is None  # a checkpoint from before the reference round: the replay had none
+        if calibrated:
+            self._calibrate(rt)
+        # Loading needs no writes: a coordinator restarted on a full disk comes up (reads served, writes
+        # answered 503) and the merger writes these once there is room (Merger.catch_up_checkpoint,
+        # catch_up_snapshot). Until then a restart replays the same deltas again: nothing is lost.
+        if deltas or exchanges or calibrated:
+            self._write_at_load(run.name, "the checkpoint after the replay",
+                                lambda: (rt.write_checkpoint(), self.prune_history(rt)))
+        # the crash came between snapshots: write the newest now, so leases hand it out
+        self._write_at_load(run.name, f"the snapshot of version {rt.version}", lambda: self.snapshot_newest(rt))
         log.info("run %s resumed at version %d (%d deltas replayed, %d exchanges)", run.name, rt.version,
                  deltas, exchanges)
         with self._runtimes_lock:
             self.runtimes[run.id] = rt
+
+    @staticmethod
+    def _write_at_load(run_name: str, what: str, write: Callable[[], object]) -> None:
+        """A write loading a run can do without: a full disk (or a database refusing writes) is logged,
+        not fatal."""
+        try:
+            write()
+        except (OSError, SQLAlchemyError) as exc:
+            log.error("run %s: %s was not written (%s); the merger writes it once the disk has room",
+                      run_name, what, exc)
+
+    CALIBRATION_TOKENS = 1 << 20  # training tokens the reference round draws its batches from, at most
+
+    def _calibrate(self, rt: RunRuntime) -> None:
+        """The run's reference round (RunRuntime.calibrate) on its first shards, in index order (the
+        same tokens whenever it is computed)."""
+        dctx = zstandard.ZstdDecompressor()
+        parts, n, i = [], 0, 0
+        while n < self.CALIBRATION_TOKENS and (path := self.storage.shard(rt.run_id, i)).exists():
+            raw = dctx.stream_reader(path.read_bytes()).read()
+            parts.append(raw)
+            n, i = n + len(raw), i + 1
+        tokens = torch.frombuffer(bytearray(b"".join(parts)[:self.CALIBRATION_TOKENS]), dtype=torch.uint8)
+        if tokens.numel() <= rt.config.model.context:
+            log.warning("run %s: too few training tokens for a reference round; deltas are screened without one",
+                        rt.config.name)
+            return
+        t0 = time.perf_counter()
+        ref = rt.calibrate(tokens)
+        log.info("run %s: reference round norm %.4g (%.1f s)", rt.config.name, ref, time.perf_counter() - t0)
 
     def prune_history(self, rt: RunRuntime) -> int:
         """Delete what every kept checkpoint already holds, once there are RunRuntime.CHECKPOINTS_KEPT of
@@ -346,7 +406,8 @@ class Coordinator:
     def _drop_stale_staged(self, run_id: int, now: float | None = None) -> int:
         """Delete staged delta files (storage.staged_delta) older than STAGED_KEEP_S that no queued delta
         will adopt: an upload that died before its row was committed (never acknowledged), or a retry's
-        second copy of a delta already renamed to its sequence number. Returns how many went."""
+        second copy of a delta already renamed to its sequence number; and the partial files of
+        uploads a crash cut off (storage.receiving). Returns how many went."""
         now = time.time() if now is None else now
         gone = 0
         for path, lease_id, sha_part in self.storage.staged_deltas(run_id):
@@ -363,6 +424,13 @@ class Coordinator:
             if not waits:
                 path.unlink(missing_ok=True)
                 gone += 1
+        for path in self.storage.partial_uploads(run_id):  # a body still arriving was written to moments ago
+            try:
+                if now - path.stat().st_mtime >= self.STAGED_KEEP_S:
+                    path.unlink(missing_ok=True)
+                    gone += 1
+            except OSError:
+                continue
         return gone
 
     def _replay(self, rt: RunRuntime, up_to: int) -> tuple[int, int]:
@@ -370,7 +438,7 @@ class Coordinator:
         that followed it (by id), then the next delta. Snapshots are already on disk."""
         with self.sessions() as s:
             todo = s.execute(select(DeltaRecord.seq, DeltaRecord.base_version, DeltaRecord.lease_id,
-                                    DeltaRecord.sha256).where(
+                                    DeltaRecord.sha256, DeltaRecord.worker_id).where(
                 DeltaRecord.run_id == rt.run_id, DeltaRecord.seq > rt.version,
                 DeltaRecord.seq <= up_to).order_by(DeltaRecord.seq)).all()
         n_exchanges = 0
@@ -378,17 +446,17 @@ class Coordinator:
         def exchanges_after(version: int) -> None:
             nonlocal n_exchanges
             with self.sessions() as s:
-                rows = s.execute(select(Exchange.id, Exchange.body).where(
+                rows = s.execute(select(Exchange.id, Exchange.body, Exchange.worker_id).where(
                     Exchange.run_id == rt.run_id, Exchange.after_version == version,
                     Exchange.id > rt.last_exchange_id).order_by(Exchange.id)).all()
-            for ex_id, body in rows:
-                rt.exchange(codec.decode(body, schema=rt.schema), exchange_id=ex_id)
+            for ex_id, body, worker_id in rows:
+                rt.exchange(codec.decode(body, schema=rt.schema), exchange_id=ex_id, worker=worker_id)
                 n_exchanges += 1
 
         exchanges_after(rt.version)
-        for seq, base_version, lease_id, sha in todo:
+        for seq, base_version, lease_id, sha, worker_id in todo:
             self.storage.adopt_delta(rt.run_id, seq, lease_id, sha)  # acknowledged, not merged before the crash
-            rt.merge(seq=seq, base_version=base_version, write_snapshot=False)
+            rt.merge(seq=seq, base_version=base_version, write_snapshot=False, worker=worker_id)
             exchanges_after(seq)
         return len(todo), n_exchanges
 
@@ -497,9 +565,10 @@ class Coordinator:
 
     def register_worker(self, run_name: str, req: protocol.RegisterRequest, *,
                         client: str | None = None) -> protocol.RegisterResponse:
-        wait = self.limiter.take("register", client or "?")
+        key = client_key(client)  # an IPv6 client by its /64: its single addresses cost nothing
+        wait = self.limiter.take("register", key)
         if wait > 0:
-            raise TooManyRequests(f"too many registrations from {client}; retry in {wait:.1f} s", retry_after=wait)
+            raise TooManyRequests(f"too many registrations from {key}; retry in {wait:.1f} s", retry_after=wait)
         with self.sessions() as s:
             run = self._run(s, run_name)
             if run.join_key_hash is not None:
@@ -569,17 +638,24 @@ class Coordinator:
             raise TooManyRequests(f"this worker is throttled ({worker.standing_reason}); "
                                   f"next lease in {wait:.0f} s", retry_after=wait)
 
-    def grant_lease(self, run_name: str, worker: Worker, *, keep: int | None = None) -> protocol.Lease | None:
+    def grant_lease(self, run_name: str, worker: Worker, *, keep: int | None = None,
+                    client: str | None = None) -> protocol.Lease | None:
         """A new lease for `worker`. Its earlier live leases are given up (it restarted or lost them),
-        except `keep`: the one whose delta it is still uploading while it trains the next round."""
+        except `keep`: the one whose delta it is still uploading while it trains the next round.
+        `client`: the requester's address (ratelimit.client_key): one address holds at most
+        settings.max_leases_per_address live leases of a run (429 past it), so tokens minted from
+        one address cannot take every shard."""
         self._rate_limit("lease", worker)
         if time.monotonic() - self._expired_at >= self.EXPIRE_EVERY_S:  # the merger sweeps too, every second
             with timing.phase("expire"):
                 self.expire_leases()
         with timing.phase("lease"):
-            return self._grant_lease(run_name, worker, keep)
+            return self._grant_lease(run_name, worker, keep, client)
 
-    def _grant_lease(self, run_name: str, worker: Worker, keep: int | None) -> protocol.Lease | None:
+    ADDRESS_RETRY_S = 30.0  # Retry-After for an address at its lease cap: a round's length is unknown here
+
+    def _grant_lease(self, run_name: str, worker: Worker, keep: int | None,
+                     client: str | None = None) -> protocol.Lease | None:
         # One transaction: give up the worker's earlier leases, claim a shard (queries.claim_shard:
         # picked and claimed in one UPDATE, concurrent requests take different rows), insert the
         # lease. Only when no pending shard was free does it look further: a new epoch when every
@@ -602,6 +678,15 @@ class Coordinator:
                 for _old, shard_id in c.execute(queries.ABANDON_OTHERS, {
                         "worker": worker.id, "keep": -1 if keep is None else keep}).all():
                     c.execute(queries.FREE_SHARD, {"shard": shard_id})
+                if client is not None:  # counted after the worker's own earlier leases were given up
+                    held = c.execute(queries.LEASES_OF_CLIENT, {"run": run.id, "client": client,
+                                                                "now": utcnow()}).scalar_one()
+                    if held >= self.settings.max_leases_per_address:
+                        c.rollback()  # nothing changes: the earlier leases stay live
+                        raise TooManyRequests(
+                            f"address {client} holds {held} live leases of run {run_name!r}, the most one address "
+                            f"may hold (max_leases_per_address); ask again when one of them is delivered",
+                            retry_after=self.ADDRESS_RETRY_S)
                 claimed = c.execute(self._claim_shard, {"run": run.id}).first()
                 if claimed is None:
                     undone = dict(c.execute(queries.SHARDS_UNDONE, {"run": run.id}).all())
@@ -626,7 +711,7 @@ class Coordinator:
                 deadline = scheduler.lease_deadline(now, cfg.lease_ttl_s)
                 lease_id, base_version = c.execute(queries.INSERT_LEASE, {
                     "run": run.id, "worker": worker.id, "shard": claimed.id, "lease_lr": lr,
-                    "until": deadline, "now": now}).one()
+                    "until": deadline, "now": now, "client": client}).one()
                 seed = scheduler.lease_seed(cfg.seed, lease_id)
                 c.execute(queries.LEASE_SEED, {"lease": lease_id, "lease_seed": seed})
                 c.commit()
@@ -726,10 +811,35 @@ class Coordinator:
 
     # -- deltas -------------------------------------------------------------------------------
 
-    def accept_delta(self, lease_id: int, worker: Worker, body: bytes) -> protocol.DeltaAccepted:
+    def precheck_upload(self, lease_id: int, worker: Worker) -> int:
+        """What refuses an upload before a byte of its body is read (then accept_delta(prechecked=True)):
+        the upload rate limit (its token is taken here), a lease that does not exist (404), is another
+        worker's (403) or was given up (410). A lease already delivered passes: whether the body is a
+        retry of the same bytes (the same answer) or other content (409) takes its hash. Returns the
+        lease's run id (where the body is streamed to: Storage.receiving)."""
         self._rate_limit("upload", worker)
+        with timing.phase("check"), self.reads.connect() as c:
+            lease = self._owned(c.execute(queries.UPLOAD_CHECK, {"lease": lease_id}).first(), lease_id, worker)
+        if lease.delta_id is None and lease.state == "abandoned":
+            raise Gone(f"lease {lease_id} was given up when this worker took a newer lease")
+        return lease.run_id
+
+    def precheck_exchange(self, lease_id: int, worker: Worker) -> None:
+        """An exchange's checks before its body is read: the lease exists and is this worker's (404/403).
+        The rest (rate limit, state, step) is exchange()'s."""
+        with timing.phase("check"), self.reads.connect() as c:
+            self._owned(c.execute(queries.LEASE_OF, {"lease": lease_id}).first(), lease_id, worker)
+
+    def accept_delta(self, lease_id: int, worker: Worker, body: bytes | ReceivedBody, *,
+                     prechecked: bool = False) -> protocol.DeltaAccepted:
+        """Validate and acknowledge a lease's delta: 202's answer once its bytes are fsynced and its row
+        committed. `body`: its bytes, or the file the route streamed it to (storage.ReceivedBody, hashed
+        as it arrived; renamed to its staged name once it passes). `prechecked`: precheck_upload ran
+        before the body was read (and took the rate limit's token)."""
+        if not prechecked:
+            self._rate_limit("upload", worker)
         with timing.phase("hash"):
-            digest = hashlib.sha256(body).hexdigest()
+            digest = body.sha256 if isinstance(body, ReceivedBody) else hashlib.sha256(body).hexdigest()
         with timing.phase("check"), self.reads.connect() as c:
             lease = self._owned(c.execute(queries.UPLOAD_CHECK, {"lease": lease_id}).first(), lease_id, worker)
         if lease.delta_id is not None:
@@ -748,9 +858,12 @@ class Coordinator:
             return error(message)
 
         try:
-            # the codec's every check (decode_flat's), without building the delta: the merger decodes it
-            with timing.phase("validate"):
-                delta = codec.check_flat(body, schema=self.schema_of(lease.run_id))
+            # the codec's every check (decode_flat's), without building the delta: the merger decodes it.
+            # A few at a time per process (settings.max_validations: each holds its decompressed
+            # body), and a frame may not expand more than an honest one can (codec.MAX_UPLOAD_RATIO).
+            with self.validations.hold(), timing.phase("validate"):
+                delta = codec.check_flat(body.read() if isinstance(body, ReceivedBody) else body,
+                                         schema=self.schema_of(lease.run_id), max_ratio=codec.MAX_UPLOAD_RATIO)
         except DeltaFormatError as exc:
             raise refuse(Unprocessable, f"delta refused: {exc}") from None
         if delta.base_version != lease.base_version:
@@ -762,33 +875,57 @@ class Coordinator:
         if cfg.algorithm == "sparta" and delta.n_entries:
             raise refuse(Unprocessable, f"run {lease.run_name!r} uses sparta: a round ends with an empty delta (its "
                                         f"progress travels through exchanges), not one of {delta.n_entries} entries")
+        if cfg.algorithm != "sparta":  # what the lease's compression makes of a whole round, nothing less
+            wrong = shape_mismatch(delta.entries, self.schema_of(lease.run_id), cfg.compression,
+                                   round_seed=lease.seed)
+            if wrong is not None:
+                raise refuse(Unprocessable, f"delta refused: {wrong}")
         if lease.run_version - lease.base_version > cfg.outer.max_staleness:
             # the coordinator's queue, not the worker's doing: counted, but not against its standing
             raise refuse(Gone, f"lease {lease_id} is {lease.run_version - lease.base_version} versions stale, "
                                f"above the run's limit of {cfg.outer.max_staleness}; take a new lease", judged=False)
         tokens = scheduler.round_tokens(steps=cfg.inner.steps, batch_size=cfg.inner.batch_size,
                                         context=cfg.model.context)
+        steps = cfg.inner.steps
+        if cfg.algorithm == "sparta":  # the empty delta is evidence of nothing: the exchanges made are
+            with self.reads.connect() as c:
+                made = c.execute(queries.EXCHANGES_OF, {"lease": lease_id}).scalar_one()
+            expected = cfg.inner.steps // cfg.sparta.every
+            tokens = credit.sparta_tokens(tokens, exchanges_made=made, exchanges_expected=expected)
+            steps = credit.sparta_tokens(steps, exchanges_made=made, exchanges_expected=expected)
         # Bytes first, durably, under a name of their lease and content, before the serial section:
         # only the row then makes the delta real, and the merger renames the file to its sequence number.
         staged = self.storage.staged_delta(lease.run_id, lease_id, digest)
         with timing.phase("write"):
-            self.storage.write(staged, body)
+            if isinstance(body, ReceivedBody):
+                self.storage.stage_received(body, staged)
+            else:
+                self.storage.write(staged, body)
         with timing.phase("ack_wait"):
             self._ack_lock.acquire()
         try:
             with self.engine.connect() as c:
-                return self._ack(c, lease_id, lease, worker, body, digest, tokens, cfg, staged)
+                return self._ack(c, lease_id, lease, worker, body, digest, tokens, cfg, staged, steps=steps)
+        except _Refused as refused:  # after the rollback: counted in a transaction of its own
+            self._count_rejection(worker.id, lease.run_id, len(body), reason=refused.reason)
+            raise refused.error from None
         finally:
             self._ack_lock.release()
 
     def _ack(self, c: Connection, lease_id: int, lease: Row, worker: Worker, body: bytes, digest: str, tokens: int,
-             cfg: RunConfig, staged: Path) -> protocol.DeltaAccepted:
+             cfg: RunConfig, staged: Path, *, steps: int | None = None) -> protocol.DeltaAccepted:
         """The acknowledgement itself, under the process's _ack_lock: the delta's sequence number, its
         row and every count, in one transaction (its bytes are on disk already, at `staged`). Rows
         are locked in queries' order (lease, shard, run, worker): the run's row, which serialises the
-        acknowledgements, is held for the last three statements only."""
+        acknowledgements, is held for the last three statements only.
+
+        Refused here, under those locks so that no two processes both pass (raises _Refused, after
+        the rollback, its file removed): an expired lease whose shard was re-issued since (410), and
+        bytes another lease of the run delivered already (409: identical content merges once)."""
+        steps = cfg.inner.steps if steps is None else steps
         with timing.phase("lock"):
-            if not c.execute(queries.LEASE_DELIVERED, {"lease": lease_id}).rowcount:
+            delivered = c.execute(queries.LEASE_DELIVERED, {"lease": lease_id}).first()
+            if delivered is None:
                 c.rollback()  # the same upload raced itself; the first one won
                 prior = c.execute(queries.DELIVERED_OF, {"lease": lease_id}).one()
                 c.rollback()
@@ -797,15 +934,33 @@ class Coordinator:
                     raise Conflict(f"lease {lease_id} already delivered a different delta")
                 return protocol.DeltaAccepted(lease_id=lease_id, delta_id=prior.id,
                                               will_merge_into=prior.seq, duplicate=True)
-            c.execute(queries.SHARD_TRAINED, {"shard": lease.shard_id})
+            c.execute(queries.SHARD_TRAINED, {"shard": lease.shard_id})  # the shard's row is ours now
+            # Past its deadline (swept or not), a lease delivers only while its shard was not
+            # re-issued: otherwise the shard is trained twice and a hoarder keeps its leases' credit.
+            if ((lease.state == "expired" or _aware(delivered.deadline) <= utcnow())
+                    and c.execute(queries.SHARD_REISSUED, {"shard": lease.shard_id, "lease": lease_id}).first()):
+                c.rollback()
+                staged.unlink(missing_ok=True)
+                raise _Refused(Gone(f"lease {lease_id} expired and its shard was leased again since; its delta "
+                                    "is not taken (the shard's new holder trains it): take a new lease"), None)
             seq = c.execute(queries.RUN_DELIVERED, {"run": lease.run_id, "tokens": tokens,
-                                                    "steps": cfg.inner.steps, "size": len(body)}).scalar_one() - 1
+                                                    "steps": steps, "size": len(body)}).scalar_one() - 1
+            # the run's row is ours: every earlier acknowledgement of the run is committed and seen.
+            # Not for sparta, whose every round of a version ends with the same empty delta.
+            copied = None if cfg.algorithm == "sparta" else c.execute(queries.SAME_CONTENT, {
+                "run": lease.run_id, "digest": digest, "lease": lease_id}).first()
+            if copied is not None:
+                c.rollback()
+                staged.unlink(missing_ok=True)
+                reason = (f"delta refused: lease {copied.lease_id} of this run delivered these exact bytes "
+                          "already; identical content is merged once")
+                raise _Refused(Conflict(reason), reason)
         with timing.phase("commit"):
             c.execute(queries.WORKER_DELIVERED, {"worker": worker.id, "tokens": tokens, "size": len(body)})
             delta_id = c.execute(queries.INSERT_DELTA, {
                 "run": lease.run_id, "lease": lease_id, "worker": worker.id, "seq_no": seq,
                 "base": lease.base_version, "size": len(body), "digest": digest, "round_tokens": tokens,
-                "round_steps": cfg.inner.steps, "now": utcnow()}).scalar_one()
+                "round_steps": steps, "now": utcnow()}).scalar_one()
             c.commit()
         return protocol.DeltaAccepted(lease_id=lease_id, delta_id=delta_id, will_merge_into=seq)
 
@@ -839,19 +994,35 @@ class Coordinator:
             if s.scalar(select(Exchange.id).where(Exchange.lease_id == lease_id, Exchange.step == step)) is not None:
                 raise Conflict(f"lease {lease_id} already exchanged after step {step}")
             lease_seed, base_version, run_id, run_name = lease.seed, lease.base_version, run.id, run.name
+            # AdamW steps trained in the run so far, plus those of every live lease (in flight, this
+            # one's included): how far apart honest replicas and the centre can have moved, per element
+            in_flight = s.scalar(select(func.count()).select_from(Lease).where(
+                Lease.run_id == run_id, Lease.state == "active")) or 0
+            run_steps = run.worker_steps + steps * max(1, in_flight)
         rt = self.live(run_id, run_name)
         try:
-            sent = codec.decode(body, schema=rt.schema)
+            # a bounded pool and ratio as for uploads (accept_delta); a malformed body is the worker's doing
+            with self.validations.hold(), timing.phase("validate"):
+                sent = codec.decode(body, schema=rt.schema, max_ratio=codec.MAX_UPLOAD_RATIO)
         except DeltaFormatError as exc:
-            raise Unprocessable(f"exchange refused: {exc}") from None
+            reason = f"exchange refused: {exc}"
+            self._count_rejection(worker.id, run_id, len(body), reason=reason, kind="exchange")
+            raise Unprocessable(reason) from None
         self._check_exchange(sent, rt.schema, seed=sparta.exchange_seed(lease_seed, step), p=cfg.sparta.p,
                              base_version=base_version, lease_id=lease_id)
         with rt.lock:
-            # Keep the centre's values at the exchanged indices, so a failure below can put them back:
-            # a refused exchange changes nothing.
-            before = rt.centre_at(sent)
+            verdict = rt.screen_exchange(sent, steps=run_steps)
+        if not verdict.merged:  # the worker's own doing: counts toward throttle and ban, changes nothing else
+            message = f"exchange refused: {verdict.reason}"
+            self._count_rejection(worker.id, run_id, len(body), reason=message, kind="exchange")
+            raise Unprocessable(message)
+        with rt.lock:
+            # Keep the centre's values at the exchanged indices and the screen's exchange norms, so a
+            # failure below can put them back: a refused exchange changes nothing. (An exchange of
+            # another worker between the screen and here moved the centre by a bounded step only.)
+            before, norms_before = rt.centre_at(sent), rt.exchange_norms.copy()
             try:
-                answer = codec.encode(rt.exchange(sent))
+                answer = codec.encode(rt.exchange(sent, worker=worker.id))
                 if not self.still_leading():  # fence: a process that lost the merger lock answers nothing more
                     raise Unavailable("the merger is changing hands between coordinator processes; retry")
                 with self.sessions() as s:
@@ -863,6 +1034,7 @@ class Coordinator:
                 self.traffic.add(run_id, worker.id, up=len(body), down_model=len(answer))
             except BaseException as exc:
                 rt.undo_exchange(sent, before)
+                rt.exchange_norms = norms_before
                 if isinstance(exc, IntegrityError):  # the same exchange raced itself; the first one won
                     raise Conflict(f"lease {lease_id} already exchanged after step {step}") from None
                 if isinstance(exc, ValueError):  # the correction does not fit its value codec
@@ -889,20 +1061,46 @@ class Coordinator:
                 raise Unprocessable(f"exchange refused: {e.name} carries {e.k} values; this run exchanges "
                                     f"{want_k} of its {e.numel}")
 
-    def renew_lease(self, lease_id: int, worker: Worker) -> protocol.LeaseRenewed:
-        """Push a live lease's deadline to now + lease_ttl_s (a slow machine still training keeps its
-        shard); 410 once it expired or was given up (its shard may be someone else's by now)."""
+    def renew_lease(self, lease_id: int, worker: Worker, *, step: int | None = None,
+                    now: datetime | None = None) -> protocol.LeaseRenewed:
+        """Push a live lease's deadline to now + lease_ttl_s while its round progresses (a slow machine
+        still training keeps its shard): `step`, the round's local step, must be past the one the last
+        renewal reported (409 otherwise), and the deadline never passes the lease's lifetime
+        (scheduler.lease_lifetime_s: a few of the run's expected rounds, at most max_lease_lifetime_s;
+        409 once there), so no one holds a shard for ever. 410 once it expired or was given up (its
+        shard may be someone else's by now)."""
         self._rate_limit("lease", worker)
-        now = utcnow()
+        now = now or utcnow()
         with self.sessions() as s:
             lease = self._own_lease(s, lease_id, worker)
             if lease.state != "active" or _aware(lease.deadline) <= now:
                 state = "expired" if lease.state == "active" else lease.state
                 raise Gone(f"lease {lease_id} is {state}; it can no longer be renewed")
             cfg = RunConfig.model_validate_json(s.get(Run, lease.run_id).config_json)
-            deadline = scheduler.lease_deadline(now, cfg.lease_ttl_s)
+            if step is None:
+                raise Unprocessable(f"renewing lease {lease_id} needs the round's local step (?step=N): a lease "
+                                    "is renewed only while its round progresses; update the worker")
+            if step > cfg.inner.steps:
+                reason = (f"renewal of lease {lease_id} reports local step {step}, but the run's rounds have "
+                          f"{cfg.inner.steps} steps")
+                self._count_rejection(worker.id, lease.run_id, 0, reason=reason, kind="renew")
+                raise Unprocessable(reason)
+            if step <= lease.progress_step:
+                raise Conflict(f"lease {lease_id}: no progress since its last renewal (step {step}; that one "
+                               f"reported step {lease.progress_step}); a lease is renewed only while its round moves")
+            round_times = [(_aware(received) - _aware(created)).total_seconds()
+                           for received, created in s.execute(queries.RECENT_ROUNDS, {"run": lease.run_id})]
+            lifetime_s = scheduler.lease_lifetime_s(round_times, lease_ttl_s=cfg.lease_ttl_s,
+                                                    rounds=self.settings.lease_lifetime_rounds,
+                                                    cap_s=self.settings.max_lease_lifetime_s)
+            deadline = scheduler.renewed_deadline(now, created_at=_aware(lease.created_at), ttl_s=cfg.lease_ttl_s,
+                                                  lifetime_s=lifetime_s)
+            if deadline <= _aware(lease.deadline):
+                raise Conflict(f"lease {lease_id} has lived its lifetime of {lifetime_s:.0f} s (a few of this run's "
+                               f"expected rounds) and is not renewed again: deliver by its deadline "
+                               f"{_aware(lease.deadline).isoformat()}, after which its shard goes to another worker")
             renewed = s.execute(update(Lease).where(Lease.id == lease_id, Lease.state == "active")
-                                .values(deadline=deadline)).rowcount
+                                .values(deadline=deadline, progress_step=step)).rowcount
             if not renewed:  # expired by the sweep a moment ago
                 raise Gone(f"lease {lease_id} expired; it can no longer be renewed")
             s.commit()
@@ -1014,8 +1212,8 @@ class Coordinator:
             dense = scheduler.dense_equivalent_bytes(worker_steps=run.worker_steps, n_params=run.n_params)
             clipped = s.scalar(select(func.count()).select_from(DeltaRecord).where(
                 DeltaRecord.run_id == run.id, DeltaRecord.outcome == "merged", DeltaRecord.reason.is_not(None)))
-            flagged = s.scalars(select(Worker).where(Worker.run_id == run.id, Worker.standing != "ok")
-                                .order_by(Worker.id)).all()
+            standings = dict(s.execute(select(Worker.standing, func.count()).where(Worker.run_id == run.id)
+                                       .group_by(Worker.standing)).all())
             moved = run.bytes_up + run.bytes_down_model + run.bytes_down_data
             return protocol.RunStatus(
                 name=run.name, state=run.state, algorithm=RunConfig.model_validate_json(run.config_json).algorithm,
@@ -1029,7 +1227,8 @@ class Coordinator:
                 bytes_down_data=run.bytes_down_data, exchanges=exchanges or 0, dense_equivalent_bytes=dense,
                 traffic_ratio_vs_dense=(dense / moved) if moved else None, n_params=run.n_params,
                 shards_total=sum(shard_counts.values()), shards_done=shard_counts.get("done", 0), epoch=run.epoch,
-                clipped_deltas=clipped or 0, workers_flagged=[self._worker_info(w) for w in flagged])
+                clipped_deltas=clipped or 0, workers_throttled=standings.get("throttled", 0),
+                workers_banned=standings.get("banned", 0))
 
     # -- dashboard and metrics (public: names, teams and devices; never tokens or reasons) ---------
 

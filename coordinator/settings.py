@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import ipaddress
 from pathlib import Path
+from typing import Annotated
 
-from pydantic import Field, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 
 class CoordinatorSettings(BaseSettings):
@@ -18,8 +19,47 @@ class CoordinatorSettings(BaseSettings):
     port: int = Field(8000, ge=0, le=65535)
     data_dir: Path = Path("./idletrain-data")
     database_url: str | None = Field(None, description="SQLAlchemy URL; default: SQLite in data_dir")
-    admin_token: str | None = Field(None, min_length=16, description="required for operator actions when set")
+    admin_token: str | None = Field(None, min_length=16, description="the token every operator action requires; "
+                                    "default: the one in data_dir/admin_token (mode 0600), generated on first "
+                                    "start (coordinator/admin.py)")
+    # DNS rebinding: a browser page on evil.example whose name then resolves to 127.0.0.1 reaches
+    # this server with `Host: evil.example`; only names listed here (and the loopback names and the
+    # bind host, always) are answered, others get 400. Bound to 0.0.0.0 or :: and left empty: any
+    # Host, since a public server's Host is whatever name the public uses (the admin token guards it).
+    allowed_hosts: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="Host names served besides the loopback names and the bind host, "
+        "comma-separated (IDLETRAIN_ALLOWED_HOSTS=train.example.org, e.g. behind nginx); `*.example.org` "
+        "matches subdomains, `*` any name")
+    # `run create --corpus PATH` reads PATH on this machine and serves it to workers as shards: only
+    # under these folders (symlinks and `..` resolved first), else anything the coordinator can read
+    # is one run away from being published.
+    corpus_dirs: Annotated[list[Path], NoDecode] = Field(
+        default_factory=list, description="folders a run's corpus may come from, comma-separated, besides "
+        "data_dir/corpora (the built-in corpus is always allowed)")
     max_upload_bytes: int = Field(64 << 20, ge=1024, description="largest delta body accepted")
+    # Uploads stream to a file in the run's data dir (never held in memory while they arrive); these
+    # bound what a worker, or a crowd of slow connections, can hold open.
+    max_concurrent_uploads: int = Field(2, ge=1, le=64, description="delta uploads one worker may have in flight at "
+                                        "once in one process (a worker uploads a round's delta while it trains the "
+                                        "next; 2 leaves room for a retry); the next gets 429 + Retry-After before "
+                                        "its body is read")
+    max_concurrent_exchanges: int = Field(8, ge=1, le=256, description="sparse exchanges one worker may have in "
+                                          "flight at once in one process (the worker sends up to 4); over it: 429")
+    body_timeout_s: float = Field(30.0, gt=0, le=600, description="seconds an upload's body may go without a byte "
+                                  "before it is cut off with 408 (nothing kept): slow connections cannot pile up")
+    max_validations: int = Field(4, ge=1, le=256, description="delta and exchange bodies decoded at once per "
+                                 "process (each holds its decompressed body, up to the model's dense fp32 size, "
+                                 "and a core); more wait up to validation_wait_s, then get 503 + Retry-After")
+    validation_wait_s: float = Field(10.0, gt=0, le=600, description="longest wait for a validation slot")
+    # JSON bodies (registration, run creation, operator actions) are small: a RunConfig is ~1 KB. 64 KiB
+    # is 50 times that, and caps what an unauthenticated registration can make the server parse (four
+    # 150 MiB registrations took 1.4 GB). Uploads have their own cap, max_upload_bytes.
+    max_json_bytes: int = Field(64 << 10, ge=1024, le=16 << 20, description="largest request body of every route "
+                                "but delta uploads and exchanges: 413 over it, before it is read")
+    # uvicorn's own bound (`serve`): connections plus requests in flight per process before new requests
+    # get 503. 200 idle-slow connections never timed out before body_timeout_s; this caps what is left.
+    limit_concurrency: int = Field(1024, ge=16, le=1 << 20, description="connections and requests one coordinator "
+                                   "process serves at once (uvicorn limit_concurrency); over it: 503")
     snapshot_keep: int = Field(32, ge=2, description="recent snapshot versions kept on disk (a worker whose "
                                                      "last version is among them downloads only the change)")
     checkpoint_every: int = Field(20, ge=1, description="versions between merger checkpoints")
@@ -38,6 +78,12 @@ class CoordinatorSettings(BaseSettings):
     keep_alive_s: int = Field(75, ge=1, le=3600, description="seconds an idle HTTP connection stays open; above "
                                                              "the clients' own pool expiry (httpx: 5 s), so a client "
                                                              "never sends on a connection the server is closing")
+    # X-Forwarded-For decides the client address that registrations are counted by (and leases, per
+    # address): believed from nobody by default, since uvicorn's own default (believe 127.0.0.1) let any
+    # local process, or a proxy on this machine that passes the header through, pick its address at will.
+    forwarded_allow_ips: str = Field("", description="comma-separated addresses or networks of the reverse "
+                                     "proxies whose X-Forwarded-For is believed (`127.0.0.1` for nginx on this "
+                                     "machine, deploy/README.md); empty: none, the connection's address counts")
     merge_idle_s: float = Field(0.05, gt=0, description="merger's sleep when nothing is queued")
     processes: int = Field(1, ge=1, le=256, description="HTTP processes `serve` starts on one port (PostgreSQL "
                                                          "only); one of them merges at a time")
@@ -56,25 +102,49 @@ class CoordinatorSettings(BaseSettings):
     exchange_rate: float = Field(100.0, ge=0, description="sparse exchanges per second per worker")
     exchange_burst: float = Field(200.0, ge=1)
     register_rate: float = Field(1.0, ge=0, description="worker registrations per second per client address")
-    register_burst: float = Field(100.0, ge=1)
+    # 8, not 100: a burst of 100 let one address mint 58 tokens in 0.6 s and lease every shard; a lab
+    # starting more machines at once gets 429 + Retry-After for the rest, which the worker waits out
+    register_burst: float = Field(8.0, ge=1)
+    max_leases_per_address: int = Field(32, ge=1, description="live leases of one run that one client address (an "
+                                        "IPv6 address by its /64) may hold at once; over it: 429 + Retry-After. A "
+                                        "household or a lab behind one NAT address fits; raise it for a bigger "
+                                        "site, or for load tests whose workers all come from 127.0.0.1")
+    lease_lifetime_rounds: float = Field(4.0, ge=1, description="a lease lives at most this many times the run's "
+                                         "expected round (lease to delivery, recent deliveries), never less than "
+                                         "its lease_ttl_s: renewals stop there and the sweep re-issues its shard")
+    max_lease_lifetime_s: float = Field(6 * 3600.0, gt=0, description="a lease lives at most this long in seconds "
+                                        "from its grant however it is renewed (the absolute cap above the "
+                                        "expected-round one; never less than the run's lease_ttl_s)")
 
-    @model_validator(mode="after")
-    def _safe_listen(self) -> CoordinatorSettings:
-        if self.admin_token is None and not _is_loopback(self.host):
-            raise ValueError(
-                f"refusing to listen on {self.host} without an admin token: set IDLETRAIN_ADMIN_TOKEN "
-                "(16+ characters) or listen on 127.0.0.1")
-        return self
+    # Any host may be listened on without admin_token: there is always a token (data_dir/admin_token
+    # when none is given) and every operator route requires it, so loopback is no credential.
+
+    @field_validator("allowed_hosts", "corpus_dirs", mode="before")
+    @classmethod
+    def _comma_separated(cls, value: object) -> object:
+        if isinstance(value, str):
+            return [part.strip() for part in value.split(",") if part.strip()]
+        return value
+
+    @property
+    def allowed_corpus_dirs(self) -> list[Path]:
+        """Where a run's corpus may come from: data_dir/corpora, then corpus_dirs (resolved)."""
+        return [p.expanduser().resolve() for p in (self.data_dir / "corpora", *self.corpus_dirs)]
+
+    @field_validator("forwarded_allow_ips")
+    @classmethod
+    def _proxy_addresses(cls, value: str) -> str:
+        parts = [part.strip() for part in value.split(",") if part.strip()]
+        for part in parts:
+            try:
+                if part != "*":
+                    ipaddress.ip_network(part, strict=False)
+            except ValueError:
+                raise ValueError(f"{part!r} is not an address or network: list the reverse proxy's addresses, "
+                                 "e.g. 127.0.0.1 or 10.0.0.0/8 (`*` believes anyone)") from None
+        return ",".join(parts)
 
     @property
     def resolved_database_url(self) -> str:
         return self.database_url or f"sqlite:///{(self.data_dir / 'idletrain.sqlite3').resolve()}"
 
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False

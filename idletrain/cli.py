@@ -34,15 +34,42 @@ def _fail(msg: str) -> int:
 
 # -- coordinator ------------------------------------------------------------------------------
 
+def proxy_options(settings) -> dict:
+    """uvicorn's X-Forwarded-For handling for `serve`: off unless the operator names the proxies
+    (settings.forwarded_allow_ips). uvicorn's default believes the header from 127.0.0.1, so any
+    request through loopback (a local process, a proxy passing it on) chose its own client address:
+    200 registrations under spoofed addresses went past the per-address limit."""
+    if not settings.forwarded_allow_ips:
+        return {"proxy_headers": False}
+    return {"proxy_headers": True, "forwarded_allow_ips": settings.forwarded_allow_ips}
+
+
+MAX_HEADER_BYTES = 16 << 10  # a request line and headers of ours are well under 1 KB; h11's default, stated
+
+
+def limit_options(settings) -> dict:
+    """uvicorn's bounds for `serve` (both the one-process and the --processes N path): connections and
+    requests in flight per process (settings.limit_concurrency; past it, 503), idle keep-alive
+    (keep_alive_s), and the size of a request's head with the h11 protocol (the httptools one has its
+    own fixed limits). Bodies are bounded by the app itself (max_json_bytes, max_upload_bytes and
+    body_timeout_s: coordinator/limits.py, coordinator/api/workers.py)."""
+    return {"limit_concurrency": settings.limit_concurrency, "timeout_keep_alive": settings.keep_alive_s,
+            "h11_max_incomplete_event_size": MAX_HEADER_BYTES}
+
+
 def cmd_coordinator_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from coordinator.app import NoDelayHTTP, create_app
     from coordinator.settings import CoordinatorSettings
 
+    from coordinator import admin
+
     overrides = {k: v for k, v in {"host": args.host, "port": args.port, "data_dir": args.data_dir,
                                    "database_url": args.database_url, "admin_token": args.admin_token,
-                                   "processes": args.processes}.items()
+                                   "processes": args.processes, "forwarded_allow_ips": args.forwarded_allow_ips,
+                                   "corpus_dirs": ",".join(args.corpus_dir) if args.corpus_dir else None,
+                                   "allowed_hosts": ",".join(args.allowed_host) if args.allowed_host else None}.items()
                  if v is not None}
     try:
         settings = CoordinatorSettings(**overrides)
@@ -53,13 +80,22 @@ def cmd_coordinator_serve(args: argparse.Namespace) -> int:
         return _fail("several coordinator processes need PostgreSQL (SQLite serves one process): pass "
                      "--database-url postgresql+psycopg://USER@HOST/DB")
     settings.data_dir.mkdir(parents=True, exist_ok=True)
+    try:  # here, once, before any process starts: the processes read the file this writes
+        token, created = admin.ensure_token(settings.data_dir, settings.admin_token)
+    except (OSError, ValueError) as exc:
+        return _fail(str(exc))
+    if created:
+        path = admin.token_path(settings.data_dir).resolve()
+        print(f"idletrain: admin token (shown once; kept in {path}, mode 0600): {token}\n"
+              f"idletrain: operator commands on this machine read it with --data-dir {settings.data_dir}; "
+              "elsewhere pass --admin-token or set IDLETRAIN_ADMIN_TOKEN", file=sys.stderr)
     log.info("coordinator on http://%s:%d, data in %s, %d process(es)", settings.host, settings.port,
              settings.data_dir.resolve(), settings.processes)
     level, access = args.log_level.lower(), args.log_level.upper() == "DEBUG"
     if settings.processes == 1:
         settings = settings.model_copy(update={"relay": shared_db})  # other coordinators may join the database
         uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=level, access_log=access,
-                    timeout_keep_alive=settings.keep_alive_s, http=NoDelayHTTP)
+                    http=NoDelayHTTP, **proxy_options(settings), **limit_options(settings))
         return 0
     # uvicorn's supervisor starts the processes (and restarts one that dies); each builds its app
     # from the environment, so the settings travel as IDLETRAIN_* variables.
@@ -71,8 +107,8 @@ def cmd_coordinator_serve(args: argparse.Namespace) -> int:
     patient = ({"timeout_worker_healthcheck": 60}
                if "timeout_worker_healthcheck" in inspect.signature(uvicorn.run).parameters else {})
     uvicorn.run("coordinator.app:app_from_environment", factory=True, workers=settings.processes, host=settings.host,
-                port=settings.port, log_level=level, access_log=access, timeout_keep_alive=settings.keep_alive_s,
-                http=NoDelayHTTP, **patient)
+                port=settings.port, log_level=level, access_log=access, http=NoDelayHTTP, **patient,
+                **proxy_options(settings), **limit_options(settings))
     return 0
 
 
@@ -165,6 +201,26 @@ def _admin_headers(token: str | None) -> dict:
     return {"Authorization": f"Bearer {token}"} if token else {}
 
 
+def _admin_token(args: argparse.Namespace) -> str | None:
+    """The operator's token: --admin-token, else IDLETRAIN_ADMIN_TOKEN, else the coordinator's own
+    token file in --data-dir (default: IDLETRAIN_DATA_DIR, else ./idletrain-data) when this machine
+    has it, so the operator next to the coordinator types nothing. None when none is found."""
+    from coordinator import admin
+
+    token = getattr(args, "admin_token", None) or os.environ.get("IDLETRAIN_ADMIN_TOKEN")
+    if token:
+        return token
+    data_dir = getattr(args, "data_dir", None) or os.environ.get("IDLETRAIN_DATA_DIR") or "./idletrain-data"
+    return admin.read_token(admin.token_path(Path(data_dir)))
+
+
+def _admin_hint(args: argparse.Namespace) -> str:
+    data_dir = getattr(args, "data_dir", None) or os.environ.get("IDLETRAIN_DATA_DIR") or "./idletrain-data"
+    return (f"operator commands need the coordinator's admin token: pass --admin-token, set IDLETRAIN_ADMIN_TOKEN, "
+            f"or run this on the coordinator's machine with --data-dir pointing at its data dir (looked in "
+            f"{Path(data_dir) / 'admin_token'})")
+
+
 def _error_detail(resp: httpx.Response) -> str:
     try:
         detail = resp.json().get("detail")
@@ -183,11 +239,16 @@ def cmd_run_create(args: argparse.Namespace) -> int:
     except ValueError as exc:
         return _fail(str(exc))
     try:
-        token = args.admin_token or os.environ.get("IDLETRAIN_ADMIN_TOKEN")
+        token = _admin_token(args)
+    except ValueError as exc:  # a token file open to others, or empty
+        return _fail(str(exc))
+    try:
         resp = httpx.post(f"{args.coordinator}/api/v1/runs", json=json.loads(cfg.model_dump_json()),
                           headers=_admin_headers(token), timeout=600)
     except httpx.TransportError as exc:
         return _fail(f"cannot reach the coordinator at {args.coordinator} ({exc}); is it running?")
+    if resp.status_code in (401, 403):
+        return _fail(f"coordinator refused the run ({resp.status_code}: {_error_detail(resp)}); {_admin_hint(args)}")
     if resp.status_code != 201:
         return _fail(f"coordinator refused the run ({resp.status_code}): {_error_detail(resp)}")
     print(json.dumps(resp.json(), indent=2))
@@ -206,22 +267,37 @@ def format_status(st: dict) -> str:
             + (f" | {ratio:.0f}x less traffic than dense" if ratio else ""))
 
 
-def _flagged_lines(st: dict) -> list[str]:
-    return [f"  worker {w['worker_id']} ({w['name'] or 'unnamed'}) is {w['standing']}: {w['standing_reason']}"
-            for w in st.get("workers_flagged", [])]
+def _flagged_lines(args: argparse.Namespace, st: dict) -> list[str]:
+    """Throttled and banned workers: who and why with the admin token (the public status has only
+    their counts), else the counts and how to see more."""
+    if not st.get("workers_throttled") and not st.get("workers_banned"):
+        return []
+    try:
+        token = _admin_token(args)
+    except ValueError:
+        token = None
+    if token is not None:
+        rc, workers = _call(args, "GET", f"/runs/{st['name']}/workers", admin=True)
+        if rc == 0:
+            return [f"  worker {w['worker_id']} ({w['name'] or 'unnamed'}) is {w['standing']}: {w['standing_reason']}"
+                    for w in workers if w["standing"] != "ok"]
+    return [f"  {st.get('workers_throttled', 0)} worker(s) throttled, {st.get('workers_banned', 0)} banned "
+            "(who and why: `idletrain worker list`, with the admin token)"]
 
 
 def _call(args: argparse.Namespace, method: str, path: str, *, admin: bool = False) -> tuple[int, object]:
     """One request to the coordinator: (0, JSON answer) or (exit code, None) after printing why."""
-    token = getattr(args, "admin_token", None) or os.environ.get("IDLETRAIN_ADMIN_TOKEN")
+    try:
+        token = _admin_token(args) if admin else None
+    except ValueError as exc:  # a token file open to others, or empty
+        return _fail(str(exc)), None
     try:
         resp = httpx.request(method, f"{args.coordinator}/api/v1{path}", timeout=60,
                              headers=_admin_headers(token) if admin else {})
     except httpx.TransportError as exc:
         return _fail(f"cannot reach the coordinator at {args.coordinator} ({exc}); is it running?"), None
     if resp.status_code in (401, 403) and admin:
-        return _fail(f"{resp.status_code}: {_error_detail(resp)} (pass --admin-token or set "
-                     "IDLETRAIN_ADMIN_TOKEN)"), None
+        return _fail(f"{resp.status_code}: {_error_detail(resp)}; {_admin_hint(args)}"), None
     if resp.status_code >= 400:
         return _fail(f"{resp.status_code}: {_error_detail(resp)}"), None
     return 0, resp.json()
@@ -253,7 +329,7 @@ def cmd_run_show(args: argparse.Namespace) -> int:
           f"compression {cfg['compression']}, outer {cfg['outer']}")
     print(f"  shards {st['shards_done']}/{st['shards_total']} done (epoch {st['epoch']}), "
           f"{st['clipped_deltas']} deltas clipped by robust merging")
-    for line in _flagged_lines(st):
+    for line in _flagged_lines(args, st):
         print(line)
     return 0
 
@@ -298,7 +374,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     rc, st = _call(args, "GET", f"/runs/{args.run}/status")
     if rc:
         return rc
-    print(json.dumps(st, indent=2) if args.json else "\n".join([format_status(st), *_flagged_lines(st)]))
+    print(json.dumps(st, indent=2) if args.json else "\n".join([format_status(st), *_flagged_lines(args, st)]))
     return 0
 
 
@@ -577,6 +653,11 @@ def cmd_bench_utilisation(args: argparse.Namespace) -> int:
     return 0 if result["modes"] else 1
 
 
+ADMIN_TOKEN_HELP = "default: $IDLETRAIN_ADMIN_TOKEN, else the token file in --data-dir"
+DATA_DIR_HELP = ("the coordinator's data dir, where `serve` keeps admin_token (default: $IDLETRAIN_DATA_DIR, else "
+                 "./idletrain-data)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="idletrain", description="Train one model on many idle machines.")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
@@ -588,10 +669,19 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=None, help="port (default 8000)")
     serve.add_argument("--data-dir", default=None, help="blobs and the SQLite database (default ./idletrain-data)")
     serve.add_argument("--database-url", default=None, help="SQLAlchemy URL (default: SQLite in the data dir)")
-    serve.add_argument("--admin-token", default=None, help="token for operator actions (required off loopback)")
+    serve.add_argument("--admin-token", default=None, help="token operator actions require (default: the one in "
+                                                           "DATA_DIR/admin_token, generated on first start)")
+    serve.add_argument("--corpus-dir", action="append", default=None, metavar="DIR",
+                       help="a folder run corpora may come from, besides DATA_DIR/corpora (repeatable)")
+    serve.add_argument("--allowed-host", action="append", default=None, metavar="NAME",
+                       help="a Host name to answer besides the loopback names and --host, e.g. the public name "
+                            "behind a reverse proxy (repeatable; *.example.org for subdomains)")
     serve.add_argument("--processes", type=int, default=None,
                        help="HTTP processes on one port (PostgreSQL only): all answer workers, one at a time "
                             "merges (the holder of the merger lock; another takes over when it dies)")
+    serve.add_argument("--forwarded-allow-ips", default=None,
+                       help="comma-separated addresses of reverse proxies whose X-Forwarded-For is believed "
+                            "(e.g. 127.0.0.1 for nginx on this machine); default: none")
     serve.set_defaults(func=cmd_coordinator_serve)
     mig = coord.add_parser("migrate", help="bring the database schema to the newest version (serve does it too)")
     mig.add_argument("--data-dir", default=None, help="where the SQLite database lives (default ./idletrain-data)")
@@ -604,7 +694,8 @@ def build_parser() -> argparse.ArgumentParser:
     create.add_argument("name")
     create.add_argument("--coordinator", default="http://127.0.0.1:8000")
     create.add_argument("--config", help="TOML file with RunConfig fields ([inner], [compression], [outer]…)")
-    create.add_argument("--admin-token", default=None)
+    create.add_argument("--admin-token", default=None, help=ADMIN_TOKEN_HELP)
+    create.add_argument("--data-dir", default=None, help=DATA_DIR_HELP)
     for flag, _, typ, hlp in RUN_FLAGS:
         create.add_argument(flag, type=typ, default=None, help=hlp)
     create.set_defaults(func=cmd_run_create)
@@ -614,6 +705,9 @@ def build_parser() -> argparse.ArgumentParser:
     for sp in (rlist, rshow):
         sp.add_argument("--coordinator", default="http://127.0.0.1:8000")
         sp.add_argument("--json", action="store_true")
+    for sp in (rshow,):  # the flagged workers' names and reasons need the admin token; without it, counts
+        sp.add_argument("--admin-token", default=None, help=ADMIN_TOKEN_HELP)
+        sp.add_argument("--data-dir", default=None, help=DATA_DIR_HELP)
     rlist.set_defaults(func=cmd_run_list)
     rshow.set_defaults(func=cmd_run_show)
     for action, hlp in (("pause", "stop handing out leases (live leases may still deliver)"),
@@ -621,7 +715,8 @@ def build_parser() -> argparse.ArgumentParser:
         sp = run.add_parser(action, help=hlp)
         sp.add_argument("name")
         sp.add_argument("--coordinator", default="http://127.0.0.1:8000")
-        sp.add_argument("--admin-token", default=None, help="default: $IDLETRAIN_ADMIN_TOKEN")
+        sp.add_argument("--admin-token", default=None, help=ADMIN_TOKEN_HELP)
+        sp.add_argument("--data-dir", default=None, help=DATA_DIR_HELP)
         sp.set_defaults(func=cmd_run_set_state)
 
     wk = sub.add_parser("worker", help="run a worker").add_subparsers(dest="action", required=True)
@@ -643,7 +738,8 @@ def build_parser() -> argparse.ArgumentParser:
     wrun.add_argument("--team", default=None)
     wrun.add_argument("--max-rounds", type=int, default=None, help="stop after N delivered rounds")
     wrun.add_argument("--max-params", type=int, default=None,
-                      help="refuse runs whose model is larger (default 2,000,000,000)")
+                      help="refuse runs whose model is larger (default: what this machine's available "
+                           "memory holds for training)")
     wrun.add_argument("--checkpoint-every-steps", type=int, default=None,
                       help="save the round in flight every N local steps so a kill resumes it (default 25; 0: "
                            "only at round end)")
@@ -686,7 +782,8 @@ def build_parser() -> argparse.ArgumentParser:
     for sp in (wlist, wrevoke, wreadmit):
         sp.add_argument("--run", required=True)
         sp.add_argument("--coordinator", default="http://127.0.0.1:8000")
-        sp.add_argument("--admin-token", default=None, help="default: $IDLETRAIN_ADMIN_TOKEN")
+        sp.add_argument("--admin-token", default=None, help=ADMIN_TOKEN_HELP)
+        sp.add_argument("--data-dir", default=None, help=DATA_DIR_HELP)
 
     exp = sub.add_parser("export", help="save a run's model as a .safetensors file")
     exp.add_argument("out", metavar="OUT.safetensors")
@@ -706,6 +803,8 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--coordinator", default="http://127.0.0.1:8000")
     st.add_argument("--run", required=True)
     st.add_argument("--json", action="store_true")
+    st.add_argument("--admin-token", default=None, help=ADMIN_TOKEN_HELP + " (to name flagged workers and why)")
+    st.add_argument("--data-dir", default=None, help=DATA_DIR_HELP)
     st.set_defaults(func=cmd_status)
 
     demo = sub.add_parser("demo", help="a coordinator and local workers on this machine, over real HTTP")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -82,6 +83,7 @@ def run_demo(*, workers: int = 3, minutes: float = 3.0, as_json: bool = False, k
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    admin_token = secrets.token_urlsafe(32)  # operator routes always need one; through the environment, not argv
     logs = data_dir / "logs"
     logs.mkdir()
     procs: list[subprocess.Popen] = []
@@ -91,9 +93,13 @@ def run_demo(*, workers: int = 3, minutes: float = 3.0, as_json: bool = False, k
         coord = subprocess.Popen(
             [sys.executable, "-m", "idletrain", "--log-level", "WARNING", "coordinator", "serve",
              "--port", str(port), "--data-dir", str(data_dir / "coordinator")],
-            env=env, stdout=open(logs / "coordinator.log", "w"), stderr=subprocess.STDOUT)
+            # every demo worker registers and leases from 127.0.0.1: the per-address limits fit them all
+            env={**env, "IDLETRAIN_ADMIN_TOKEN": admin_token, "IDLETRAIN_REGISTER_BURST": str(max(8, workers)),
+                 "IDLETRAIN_MAX_LEASES_PER_ADDRESS": str(max(32, 2 * workers))},
+            stdout=open(logs / "coordinator.log", "w"),
+            stderr=subprocess.STDOUT)
         procs.append(coord)
-        client = httpx.Client(base_url=url, timeout=600)
+        client = httpx.Client(base_url=url, timeout=600, headers={"Authorization": f"Bearer {admin_token}"})
         wait_healthy(client, coord)
         cfg = demo_config(workers=workers, minutes=minutes)
         resp = client.post("/api/v1/runs", json=json.loads(cfg.model_dump_json()))

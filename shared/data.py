@@ -37,7 +37,11 @@ def _stdlib_files() -> tuple[Path, list[Path]]:
 
 
 def _folder_files(root: Path) -> list[Path]:
-    return [p for p in root.rglob("*") if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES]
+    # A symlink inside the folder that points out of it is skipped: a corpus folder is the whole of
+    # what a run may read (coordinator/corpora.py checks the folder itself).
+    real = root.resolve()
+    return [p for p in root.rglob("*") if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES
+            and p.resolve().is_relative_to(real)]
 
 
 def load_corpus(source: str = BUILTIN, *, max_bytes: int = 16 << 20) -> Corpus:

@@ -4,8 +4,10 @@
     run_config      factory of tiny RunConfig dicts (one layer, width 32, context 32, 3 steps)
     db_url          the test's database: None (SQLite in the data dir) or a fresh PostgreSQL schema;
                     every test that uses `settings`, `open_api` or `api` runs on both
-    settings        CoordinatorSettings on a tmp data dir (and db_url's database)
-    open_api        context manager: a TestClient over create_app(start_merger=False), wrapped in Api
+    settings        CoordinatorSettings on a tmp data dir (and db_url's database); corpus_dir is an
+                    allowed corpus folder; the admin token is generated in the data dir
+    open_api        context manager: a TestClient over create_app(start_merger=False), wrapped in Api;
+                    requests go to Host 127.0.0.1 (the coordinator refuses names it does not know)
     api             open_api(settings) for the length of one test
     run             the tiny run "t" created on `api` (its RunConfig)
     make_delta      a valid encoded delta for a lease, from a seeded random pseudo-gradient
@@ -183,8 +185,13 @@ def run_config(corpus_dir: Path):
 
 
 @pytest.fixture
-def settings(tmp_path: Path, db_url: str | None) -> CoordinatorSettings:
-    return CoordinatorSettings(data_dir=tmp_path / "coordinator", database_url=db_url)
+def settings(tmp_path: Path, db_url: str | None, corpus_dir: Path) -> CoordinatorSettings:
+    return CoordinatorSettings(data_dir=tmp_path / "coordinator", database_url=db_url, corpus_dirs=[corpus_dir])
+
+
+# What the in-process app is asked for: a loopback name, as a local worker would (the default
+# TestClient's "testserver" is a name the coordinator does not answer to).
+BASE_URL = "http://127.0.0.1"
 
 
 class Api:
@@ -192,6 +199,16 @@ class Api:
 
     def __init__(self, client: TestClient) -> None:
         self.client = client
+
+    @property
+    def admin(self) -> dict:
+        """The operator's Authorization header (the app's token: given, or generated in its data dir)."""
+        return {"Authorization": f"Bearer {self.client.app.state.admin_token}"}
+
+    def operator(self, method: str, path: str, **kwargs):
+        """An operator request (admin token sent): api.operator("post", f"{API}/runs/t/pause")."""
+        return self.client.request(method.upper(), path, headers={**self.admin, **kwargs.pop("headers", {})},
+                                   **kwargs)
 
     # the app's live objects
     @property
@@ -211,7 +228,8 @@ class Api:
 
     # HTTP
     def create_run(self, cfg: dict, headers: dict | None = None) -> dict:
-        resp = self.client.post(f"{API}/runs", json=cfg, headers=headers or {})
+        """As the operator (the app's admin token, unless `headers` say otherwise)."""
+        resp = self.client.post(f"{API}/runs", json=cfg, headers=self.admin if headers is None else headers)
         assert resp.status_code == 201, resp.text
         return resp.json()
 
@@ -253,15 +271,18 @@ class Api:
 
 
 @pytest.fixture
-def open_api(db_url: str | None):
+def open_api(db_url: str | None, corpus_dir: Path):
     """open_api(settings) -> context manager yielding an Api; leaving it shuts the app down.
-    Settings without a database URL get the test's (so every API test runs on both backends)."""
+    Settings without a database URL get the test's (so every API test runs on both backends), and
+    settings that allow no corpus folder allow corpus_dir."""
 
     @contextlib.contextmanager
     def _open(settings: CoordinatorSettings) -> Iterator[Api]:
         if settings.database_url is None and db_url is not None:
             settings = settings.model_copy(update={"database_url": db_url})
-        with TestClient(create_app(settings, start_merger=False)) as client:
+        if not settings.corpus_dirs:
+            settings = settings.model_copy(update={"corpus_dirs": [corpus_dir]})
+        with TestClient(create_app(settings, start_merger=False), base_url=BASE_URL) as client:
             yield Api(client)
 
     return _open
@@ -288,13 +309,16 @@ def schema_of(lease: protocol.Lease) -> dict[str, tuple[int, ...]]:
 
 @pytest.fixture
 def make_delta():
-    """make(lease, seed=0, scale=1e-2, base_version=None, compression=None) -> encoded delta bytes.
+    """make(lease, seed=None, scale=1e-3, base_version=None, compression=None) -> encoded delta bytes.
 
-    A seeded random pseudo-gradient, compressed the way the lease says (or `compression`)."""
+    A random pseudo-gradient seeded by `seed` and the lease's id (the same lease and seed give the
+    same bytes; two leases never do: the coordinator merges identical bytes once per run), compressed
+    the way the lease says (or `compression`). The default scale is what an honest round of the tiny run could move (3 steps of
+    lr 2e-3: at most ~6e-3 per element); the coordinator's screen refuses far larger values."""
 
-    def make(lease: protocol.Lease, *, seed: int = 0, scale: float = 1e-2, base_version: int | None = None,
+    def make(lease: protocol.Lease, *, seed: int | None = None, scale: float = 1e-3, base_version: int | None = None,
              compression: CompressionConfig | None = None) -> bytes:
-        gen = torch.Generator().manual_seed(seed)
+        gen = torch.Generator().manual_seed((seed or 0) * 1_000_003 + lease.lease_id)
         grads = {n: torch.randn(shape, generator=gen) * scale for n, shape in schema_of(lease).items()}
         delta = compress(grads, compression or lease.compression,
                          base_version=lease.base_version if base_version is None else base_version,
@@ -342,3 +366,36 @@ def _encode_unchecked(base_version: int, entries: list[tuple[str, np.ndarray]]) 
 def encode_unchecked():
     return _encode_unchecked
 
+
+
+@pytest.fixture
+def database_full():
+    """database_full(engine) -> context manager: every INSERT, UPDATE and DELETE on `engine` fails
+    inside it the way the driver fails on a full disk (SQLite's "database or disk is full",
+    PostgreSQL's 53100 disk_full), so SQLAlchemy wraps it and rolls back as it would for real."""
+    from sqlalchemy import event
+
+    @contextlib.contextmanager
+    def _full(engine) -> Iterator[None]:
+        if engine.dialect.name == "sqlite":
+            import sqlite3
+
+            def error() -> Exception:
+                return sqlite3.OperationalError("database or disk is full")
+        else:
+            import psycopg
+
+            def error() -> Exception:
+                return psycopg.errors.DiskFull("could not extend file: No space left on device")
+
+        def refuse(_conn, _cursor, statement, *_args):
+            if statement.lstrip().split(None, 1)[0].upper() in ("INSERT", "UPDATE", "DELETE"):
+                raise error()
+
+        event.listen(engine, "before_cursor_execute", refuse)
+        try:
+            yield
+        finally:
+            event.remove(engine, "before_cursor_execute", refuse)
+
+    return _full

@@ -195,3 +195,85 @@ def test_the_demo_summary_says_how_many_deltas_were_merged_and_rejected():
     summary = summarise(status)
     assert (summary["merged_deltas"], summary["rejected_deltas"]) == (27, 2)
     assert (summary["eval_loss_first"], summary["eval_loss_last"]) == (5.4, 2.2)
+
+
+def _serve_captured(tmp_path, monkeypatch, *extra) -> dict:
+    """What `idletrain coordinator serve` hands uvicorn.run (the app, or its factory, and every
+    keyword), without serving: uvicorn.run is replaced for the call."""
+    import os
+
+    import uvicorn
+
+    captured: dict = {}
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: captured.update(app=app, **kw))
+    saved = dict(os.environ)  # serve --processes N hands its settings on as IDLETRAIN_* variables
+    try:
+        assert cli.main(["coordinator", "serve", "--data-dir", str(tmp_path / "d"), *extra]) == 0
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    return captured
+
+
+@pytest.mark.parametrize("extra", [[], ["--processes", "2", "--database-url", "postgresql+psycopg://u@h/db"]],
+                         ids=["one process", "processes"])
+def test_serve_believes_x_forwarded_for_only_from_the_proxies_named(tmp_path, monkeypatch, extra):
+    monkeypatch.delenv("IDLETRAIN_FORWARDED_ALLOW_IPS", raising=False)
+    monkeypatch.delenv("FORWARDED_ALLOW_IPS", raising=False)
+    default = _serve_captured(tmp_path, monkeypatch, *extra)
+    assert default["proxy_headers"] is False  # uvicorn's own default, True, believes 127.0.0.1
+    named = _serve_captured(tmp_path, monkeypatch, *extra, "--forwarded-allow-ips", "127.0.0.1, 10.0.0.0/8")
+    assert (named["proxy_headers"], named["forwarded_allow_ips"]) == (True, "127.0.0.1,10.0.0.0/8")
+
+
+@pytest.mark.parametrize("extra", [[], ["--processes", "2", "--database-url", "postgresql+psycopg://u@h/db"]],
+                         ids=["one process", "processes"])
+def test_serve_bounds_connections_keep_alive_and_request_heads(tmp_path, monkeypatch, extra):
+    """Issue 18: 200 slow connections were never timed out; uvicorn ran with no concurrency limit."""
+    monkeypatch.delenv("IDLETRAIN_LIMIT_CONCURRENCY", raising=False)
+    got = _serve_captured(tmp_path, monkeypatch, *extra)
+    assert (got["limit_concurrency"], got["timeout_keep_alive"], got["h11_max_incomplete_event_size"]) == (
+        1024, 75, 16 << 10)
+    monkeypatch.setenv("IDLETRAIN_LIMIT_CONCURRENCY", "64")
+    assert _serve_captured(tmp_path, monkeypatch, *extra)["limit_concurrency"] == 64
+
+
+def test_serve_refuses_a_proxy_list_that_is_not_addresses(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("IDLETRAIN_FORWARDED_ALLOW_IPS", raising=False)
+    assert cli.main(["coordinator", "serve", "--data-dir", str(tmp_path / "d"),
+                     "--forwarded-allow-ips", "nginx"]) == 2
+    assert "not an address or network" in capsys.readouterr().err
+
+
+def test_a_spoofed_x_forwarded_for_does_not_change_the_registration_key(tmp_path, monkeypatch):
+    """Over a real socket, with the server `serve` builds: registrations from loopback that each claim
+    another address in X-Forwarded-For are counted as the one client they are (the second over a burst
+    of 1 gets 429). With uvicorn's default (believe 127.0.0.1) each claimed address got its own burst."""
+    import threading
+
+    import uvicorn
+
+    for name in ("IDLETRAIN_FORWARDED_ALLOW_IPS", "FORWARDED_ALLOW_IPS", "IDLETRAIN_DATABASE_URL"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("IDLETRAIN_REGISTER_RATE", "0.001")
+    monkeypatch.setenv("IDLETRAIN_REGISTER_BURST", "1")
+    captured = _serve_captured(tmp_path, monkeypatch)
+    kwargs = {k: v for k, v in captured.items() if k != "app"}
+    kwargs.update(port=free_port(), log_level="warning")
+    server = uvicorn.Server(uvicorn.Config(captured["app"], **kwargs))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{kwargs['port']}", timeout=30) as client:
+            for _ in range(600):  # the app's start-up (database, migrations) before it listens
+                if server.started or not thread.is_alive():
+                    break
+                thread.join(0.05)
+            assert server.started
+            # a run that does not exist: the registration limit is taken before the run is looked up
+            codes = [client.post("/api/v1/runs/nope/workers", json={"name": "w"},
+                                 headers={"X-Forwarded-For": f"203.0.113.{i}"}).status_code for i in (1, 2)]
+    finally:
+        server.should_exit = True
+        thread.join(30)
+    assert codes == [404, 429]

@@ -3,6 +3,8 @@ list|revoke|readmit`) against the in-process coordinator, and their error messag
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 from sqlalchemy import update
 
@@ -25,6 +27,8 @@ def api(tmp_path, open_api, run_config, monkeypatch):
 
         monkeypatch.setattr(cli.httpx, "request", request)
         monkeypatch.delenv("IDLETRAIN_ADMIN_TOKEN", raising=False)
+        monkeypatch.delenv("IDLETRAIN_DATA_DIR", raising=False)
+        monkeypatch.chdir(tmp_path)  # no ./idletrain-data/admin_token but the test's own
         yield api
 
 
@@ -63,7 +67,10 @@ def test_worker_list_revoke_readmit(api, capsys):
     assert run("worker", "list", "--run", "t", "--admin-token", TOKEN) == 0
     out = capsys.readouterr().out
     assert "alice" in out and "blue" in out and "banned" in out and "why: 4 of its last 5 deltas rejected" in out
-    assert run("status", "--run", "t") == 0
+    assert run("status", "--run", "t") == 0  # the public status counts flagged workers, never says why
+    out = capsys.readouterr().out
+    assert "0 worker(s) throttled, 1 banned" in out and "mallory" not in out and "deltas rejected" not in out
+    assert run("status", "--run", "t", "--admin-token", TOKEN) == 0  # the operator sees who and why
     assert "worker 2 (mallory) is banned: 4 of its last 5" in capsys.readouterr().out
     assert run("worker", "readmit", "2", "--run", "t", "--admin-token", TOKEN) == 0
     assert "standing ok" in capsys.readouterr().out
@@ -72,3 +79,70 @@ def test_worker_list_revoke_readmit(api, capsys):
     assert run("worker", "revoke", "99", "--run", "t", "--admin-token", TOKEN) == 2
     err = capsys.readouterr().err
     assert "404" in err and "no worker 99" in err
+
+
+@pytest.fixture
+def generated(tmp_path, open_api, run_config, monkeypatch):
+    """A coordinator with no token given: it generated one in its data dir (tmp_path/data)."""
+    data_dir = tmp_path / "data"
+    with open_api(CoordinatorSettings(data_dir=data_dir)) as api:
+        api.create_run(run_config())
+
+        def request(method, url, *, timeout, headers):
+            return api.client.request(method, url[len(URL):], headers=headers)
+
+        monkeypatch.setattr(cli.httpx, "request", request)
+        monkeypatch.delenv("IDLETRAIN_ADMIN_TOKEN", raising=False)
+        monkeypatch.delenv("IDLETRAIN_DATA_DIR", raising=False)
+        monkeypatch.chdir(tmp_path)
+        yield api, data_dir
+
+
+def test_operator_commands_find_the_token_in_the_data_dir(generated, capsys, monkeypatch, tmp_path):
+    api, data_dir = generated
+    assert run("run", "pause", "t", "--data-dir", str(data_dir)) == 0
+    assert capsys.readouterr().out.strip() == "run t is paused"
+    monkeypatch.setenv("IDLETRAIN_DATA_DIR", str(data_dir))  # as the coordinator's own environment says
+    assert run("run", "resume", "t") == 0
+    monkeypatch.delenv("IDLETRAIN_DATA_DIR")
+    default = tmp_path / "idletrain-data"  # the default: `serve` ran in this directory
+    default.mkdir()
+    shutil.copy2(data_dir / "admin_token", default / "admin_token")
+    assert run("worker", "list", "--run", "t") == 0
+    assert api.status()["state"] == "active"
+
+
+def test_operator_commands_without_a_token_say_where_to_find_one(generated, capsys, tmp_path):
+    api, data_dir = generated
+    assert run("run", "pause", "t", "--data-dir", str(tmp_path / "elsewhere")) == 2
+    err = capsys.readouterr().err
+    assert "401" in err and "--admin-token" in err and "IDLETRAIN_ADMIN_TOKEN" in err and "--data-dir" in err
+    assert "Traceback" not in err
+    assert api.status()["state"] == "active"
+    (data_dir / "admin_token").chmod(0o644)  # readable by anyone: refused, not used
+    assert run("run", "pause", "t", "--data-dir", str(data_dir)) == 2
+    err = capsys.readouterr().err
+    assert "chmod 600" in err and "Traceback" not in err
+    assert api.status()["state"] == "active"
+
+
+def test_run_create_without_a_token_says_where_to_find_one(generated, capsys, monkeypatch, run_config):
+    api, data_dir = generated
+    sent = {}
+
+    def post(url, *, json, headers, timeout):
+        sent.update(headers=headers)
+        return api.client.post(url[len(URL):], json=json, headers=headers)
+
+    monkeypatch.setattr(cli.httpx, "post", post)
+    assert cli.main(["run", "create", "u", "--coordinator", URL, "--corpus", run_config()["corpus"],
+                     "--data-dir", str(data_dir.parent / "nowhere")]) == 2
+    err = capsys.readouterr().err
+    assert "401" in err and "--data-dir" in err and "Traceback" not in err
+    assert [r["name"] for r in api.client.get("/api/v1/runs").json()] == ["t"]
+    assert cli.main(["run", "create", "u", "--coordinator", URL, "--corpus", run_config()["corpus"],
+                     "--data-dir", str(data_dir), "--corpus-max-bytes", str(1 << 18), "--shard-tokens", "8192",
+                     "--eval-tokens", "4096", "--n-layer", "1", "--d-model", "32", "--n-head", "2",
+                     "--context", "32"]) == 0
+    assert sent["headers"]["Authorization"] == f"Bearer {(data_dir / 'admin_token').read_text().strip()}"
+    assert [r["name"] for r in api.client.get("/api/v1/runs").json()] == ["t", "u"]

@@ -26,7 +26,7 @@ from shared.config import RunConfig
 from shared.model import ModelConfig, build_model, param_schema
 from shared.snapshot import decode_snapshot
 from tests.coordinator.test_merger import assert_same, replay
-from tests.test_loopback import _env, _stop, _tail, _wait_healthy
+from tests.test_loopback import _env, _stop, _tail, _wait_healthy, admin_headers
 from worker.client import CoordinatorClient, CoordinatorError
 
 KILLS = 4
@@ -89,11 +89,11 @@ class UploadingWorker(threading.Thread):
             self.client.close()
 
 
-def _serve(data_dir: Path, port: int, log: Path, db_url: str | None) -> subprocess.Popen:
+def _serve(data_dir: Path, port: int, log: Path, db_url: str | None, corpus_dir: Path) -> subprocess.Popen:
     db = ["--database-url", db_url] if db_url else []
     return subprocess.Popen([sys.executable, "-m", "idletrain", "coordinator", "serve", "--port", str(port),
-                             "--data-dir", str(data_dir), *db], stdout=log.open("ab"), stderr=subprocess.STDOUT,
-                            env=_env())
+                             "--data-dir", str(data_dir), "--corpus-dir", str(corpus_dir), *db],
+                            stdout=log.open("ab"), stderr=subprocess.STDOUT, env=_env())
 
 
 @pytest.mark.slow
@@ -105,13 +105,17 @@ def test_sigkill_at_random_moments_loses_and_doubles_nothing(tmp_path: Path, cor
         "name": "crash", "corpus": str(corpus_dir), "corpus_max_bytes": 1 << 18, "shard_tokens": 1024,
         "eval_tokens": 4096, "eval_every": 3, "model": {"n_layer": 1, "n_head": 2, "d_model": 32, "context": 32},
         "inner": {"steps": 3, "batch_size": 2}, "outer": {"group": 3},
-        "compression": {"index": "dense", "values": "int8", "error_feedback": False}})
-    proc = _serve(data_dir, port, log, db_url)
+        "compression": {"index": "dense", "values": "int8", "error_feedback": False},
+        # the replay below is the merge rule alone: no ramp for new workers, and these random deltas
+        # agree with no consensus, so none is refused for it
+        "robust": {"ramp": 1, "min_agreement": -1.0}})
+    proc = _serve(data_dir, port, log, db_url, corpus_dir)
     http = httpx.Client(base_url=url, timeout=30)
     workers: list[UploadingWorker] = []
     try:
         _wait_healthy(http, proc, log)
-        assert http.post(f"{protocol.API_PREFIX}/runs", json=cfg.model_dump(mode="json")).status_code == 201
+        assert http.post(f"{protocol.API_PREFIX}/runs", json=cfg.model_dump(mode="json"),
+                         headers=admin_headers(data_dir)).status_code == 201
         tokens = [http.post(f"{protocol.API_PREFIX}/runs/crash/workers", json={}).json()["token"]
                   for _ in range(WORKERS)]
         acks: dict[int, tuple[bytes, int, int]] = {}
@@ -131,7 +135,7 @@ def test_sigkill_at_random_moments_loses_and_doubles_nothing(tmp_path: Path, cor
             proc.wait(timeout=10)
             with lock:
                 acked_at_kill.append(len(acks))
-            proc = _serve(data_dir, port, log, db_url)
+            proc = _serve(data_dir, port, log, db_url, corpus_dir)
             _wait_healthy(http, proc, log)
         deadline = time.monotonic() + 120
         while len(acks) < acked_at_kill[-1] + AFTER_LAST and not stop.is_set() and time.monotonic() < deadline:

@@ -85,8 +85,11 @@ def test_dashboard_renders_in_headless_chromium(tmp_path: Path, corpus_dir: Path
                     "Install it (apt-get install -y chromium; .ci/run does) to run this test. !!!")
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    settings = CoordinatorSettings(data_dir=tmp_path / "coordinator", merge_idle_s=0.01)
-    with Server(settings, port), httpx.Client(base_url=url, timeout=60) as http:
+    admin = "dashboard-admin-token-0123456789"
+    settings = CoordinatorSettings(data_dir=tmp_path / "coordinator", merge_idle_s=0.01, admin_token=admin,
+                                   corpus_dirs=[corpus_dir])
+    with Server(settings, port), httpx.Client(base_url=url, timeout=60,
+                                              headers={"Authorization": f"Bearer {admin}"}) as http:
         deadline = time.monotonic() + 60
         while True:
             try:

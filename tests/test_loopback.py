@@ -33,6 +33,12 @@ def _tail(path: Path, n: int = 3000) -> str:
         return "(no log)"
 
 
+def admin_headers(data_dir: Path) -> dict[str, str]:
+    """The operator's Authorization header for a `serve` started on `data_dir` without a token: the
+    one it generated there (written before it listens, so once it answers /healthz)."""
+    return {"Authorization": f"Bearer {(data_dir / 'admin_token').read_text().strip()}"}
+
+
 def _wait_healthy(client: httpx.Client, proc: subprocess.Popen, log: Path, timeout_s: float = 60) -> None:
     try:
         wait_healthy(client, proc, timeout_s)
@@ -81,9 +87,10 @@ def test_two_workers_train_a_model_over_loopback(tmp_path: Path, corpus_dir: Pat
 
     try:
         coord = spawn("coordinator", "--log-level", "WARNING", "coordinator", "serve", "--host", "127.0.0.1",
-                      "--port", str(port), "--data-dir", str(tmp_path / "data"))
+                      "--port", str(port), "--data-dir", str(tmp_path / "data"), "--corpus-dir", str(corpus_dir))
         with httpx.Client(base_url=url, timeout=120) as client:
             _wait_healthy(client, coord, logs / "coordinator.log")
+            client.headers.update(admin_headers(tmp_path / "data"))  # this client is the operator's only
             created = client.post("/api/v1/runs", json={
                 "name": "loop", "corpus": str(corpus_dir), "shard_tokens": 4096, "eval_tokens": 4096,
                 "eval_every": 2, "model": {"n_layer": 1, "d_model": 32, "n_head": 2, "context": CONTEXT},

@@ -28,7 +28,7 @@ from idletrain.demo import free_port
 from shared import codec, protocol
 from shared.algorithms.compress import compress
 from shared.model import ModelConfig, build_model, param_schema
-from tests.test_loopback import _env, _stop, _tail, _wait_healthy
+from tests.test_loopback import _env, _stop, _tail, _wait_healthy, admin_headers
 
 SITE = Path(__file__).resolve().parents[1] / "deploy" / "nginx" / "idletrain.conf"
 NGINX = shutil.which("nginx") or next(
@@ -104,7 +104,7 @@ def test_nginx_caches_snapshots_and_updates_for_a_herd_of_workers(tmp_path: Path
         files.append(coord_log.open("wb"))  # DEBUG: uvicorn's access log, one line per request that reached it
         coord = subprocess.Popen([sys.executable, "-m", "idletrain", "--log-level", "DEBUG", "coordinator", "serve",
                                   "--host", "127.0.0.1", "--port", str(coord_port),
-                                  "--data-dir", str(tmp_path / "data")],
+                                  "--data-dir", str(tmp_path / "data"), "--corpus-dir", str(corpus_dir)],
                                  env=_env(), cwd=tmp_path, stdout=files[-1], stderr=subprocess.STDOUT)
         procs.append(coord)
         files.append(nginx_out.open("wb"))
@@ -120,12 +120,16 @@ def test_nginx_caches_snapshots_and_updates_for_a_herd_of_workers(tmp_path: Path
         started = time.monotonic()
 
         # A run with a version per delta; the run, the worker and every upload go through nginx.
-        created = front.post(f"{protocol.API_PREFIX}/runs", json={
+        # the operator's run creation goes through nginx too: the token is what guards it
+        created = front.post(f"{protocol.API_PREFIX}/runs", headers=admin_headers(tmp_path / "data"), json={
             "name": RUN, "corpus": str(corpus_dir), "corpus_max_bytes": 1 << 18, "shard_tokens": 4096,
             "eval_tokens": 4096, "model": {"n_layer": 1, "n_head": 2, "d_model": 32, "context": 32},
             "inner": {"steps": 3, "batch_size": 2}, "outer": {"group": 1},
             "compression": {"index": "dense", "values": "int8", "error_feedback": False}})
         assert created.status_code == 201, created.text
+        # nginx forwards from 127.0.0.1, and the coordinator still wants the operator's token
+        assert front.post(f"{P}/pause").status_code == 401
+        assert front.get("/healthz", headers={"Host": "rebound.example"}).status_code == 400  # a name it is not
         token = front.post(f"{P}/workers", json={}).json()["token"]
         for k in range(1, DELTAS + 1):
             upload_delta(front, token)

@@ -32,7 +32,7 @@ from shared.config import RunConfig
 from shared.model import build_model, get_params, param_schema
 from tests.conftest import fresh_database
 from tests.test_crash import UploadingWorker, assert_merged_exactly_once
-from tests.test_loopback import _env, _stop, _tail, _wait_healthy
+from tests.test_loopback import _env, _stop, _tail, _wait_healthy, admin_headers
 
 OWN_DB_BACKENDS = True  # PostgreSQL only: SQLite serves one process
 API = protocol.API_PREFIX
@@ -79,8 +79,10 @@ def test_processes_share_one_merger_and_take_over_when_it_dies(tmp_path: Path, c
         url = f"http://127.0.0.1:{port}"
         proc = subprocess.Popen([sys.executable, "-m", "idletrain", "coordinator", "serve", "--port", str(port),
                                  "--data-dir", str(data_dir), "--database-url", db_url,
-                                 "--processes", str(PROCESSES)],
-                                stdout=log.open("ab"), stderr=subprocess.STDOUT, env=_env())
+                                 "--processes", str(PROCESSES), "--corpus-dir", str(corpus_dir)],
+                                stdout=log.open("ab"), stderr=subprocess.STDOUT,
+                                # 24 workers register from one address at once: above the default burst
+                                env={**_env(), "IDLETRAIN_REGISTER_BURST": "32"})
         http = httpx.Client(base_url=url, timeout=30)
         workers: list[UploadingWorker] = []
         try:
@@ -90,8 +92,12 @@ def test_processes_share_one_merger_and_take_over_when_it_dies(tmp_path: Path, c
                 "eval_tokens": 4096, "eval_every": 3,
                 "model": {"n_layer": 1, "n_head": 2, "d_model": 32, "context": 32},
                 "inner": {"steps": 3, "batch_size": 2}, "outer": {"group": 3},
-                "compression": {"index": "dense", "values": "int8", "error_feedback": False}})
-            assert http.post(f"{API}/runs", json=cfg.model_dump(mode="json")).status_code == 201
+                "compression": {"index": "dense", "values": "int8", "error_feedback": False},
+                # merged exactly once is checked against a replay of the merge rule alone (test_crash's
+                # check): no ramp for new workers, and random deltas are not refused for their direction
+                "robust": {"ramp": 1, "min_agreement": -1.0}})
+            admin = admin_headers(data_dir)
+            assert http.post(f"{API}/runs", json=cfg.model_dump(mode="json"), headers=admin).status_code == 201
             first = _leader(data_dir)
             assert _lock_holders(db_url) == 1
 
@@ -135,7 +141,7 @@ def test_processes_share_one_merger_and_take_over_when_it_dies(tmp_path: Path, c
 
             # sparse exchanges: whichever process a request lands on, the leader answers
             sp = cfg.model_copy(update={"name": "sp", "algorithm": "sparta", "compression": cfg.compression})
-            assert http.post(f"{API}/runs", json=sp.model_dump(mode="json")).status_code == 201
+            assert http.post(f"{API}/runs", json=sp.model_dump(mode="json"), headers=admin).status_code == 201
             token = http.post(f"{API}/runs/sp/workers", json={}).json()["token"]
             auth = {"Authorization": f"Bearer {token}"}
             lease = protocol.Lease.model_validate(http.post(f"{API}/runs/sp/leases", headers=auth).json())

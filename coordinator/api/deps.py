@@ -34,15 +34,16 @@ async def current_worker(coord: CoordinatorDep, creds: Credentials) -> Worker:
 CurrentWorker = Annotated[Worker, Depends(current_worker)]
 
 
-def require_admin(coord: CoordinatorDep, creds: Credentials) -> None:
-    """Operator actions: open when the coordinator has no admin token (loopback only), else guarded."""
-    expected = coord.settings.admin_token
-    if expected is None:
-        return
+def require_admin(request: Request, creds: Credentials) -> None:
+    """Operator actions: always the admin token, and only as `Authorization: Bearer` (never a cookie
+    or a query parameter). A browser cannot add that header to a cross-origin request without a
+    CORS preflight, which this server never grants, so a page the operator visits cannot act (CSRF)."""
+    expected: str = request.app.state.admin_token
     if creds is None:
-        raise Unauthorized("this operator action needs the admin token (--admin-token)",
-                           headers={"WWW-Authenticate": "Bearer"})
-    if not secrets.compare_digest(creds.credentials, expected):
+        raise Unauthorized("this operator action needs the admin token: pass --admin-token, set "
+                           "IDLETRAIN_ADMIN_TOKEN, or run the command where it can read the coordinator's "
+                           "data_dir/admin_token (--data-dir)", headers={"WWW-Authenticate": "Bearer"})
+    if not secrets.compare_digest(creds.credentials.encode(), expected.encode()):
         raise Forbidden("wrong admin token")
 
 

@@ -36,13 +36,15 @@ from coordinator.service import Coordinator
 router = APIRouter(tags=["metrics"])
 
 # Bounded label values for why the merger rejected a delta: (class, what its reason text says).
-REASONS = ("stale", "unreadable", "nonfinite", "bound", "norm", "direction", "other")
+REASONS = ("stale", "unreadable", "nonfinite", "bound", "small", "norm", "direction", "other")
 _PATTERNS = (  # in order: the first that matches names the class (runtime.py and shared/algorithms/robust.py)
     ("stale", "versions stale"),
     ("stale", "is newer than the model"),
     ("unreadable", "unreadable"),
     ("nonfinite", "not finite"),
+    ("small", "too small"),
     ("bound", "AdamW steps can move"),
+    ("bound", "round of AdamW steps"),
     ("norm", "recent median"),
     ("direction", "consensus"),
 )

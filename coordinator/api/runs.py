@@ -29,7 +29,8 @@ async def run_status(run: str, coord: CoordinatorDep) -> protocol.RunStatus:
     return await run_in_threadpool(coord.status, run)
 
 
-@router.get("/runs/{run}/config", response_model=RunConfig, response_model_exclude={"join_key"})
+# Public: neither the join key nor the corpus (a path on the coordinator's disk) leaves the operator.
+@router.get("/runs/{run}/config", response_model=RunConfig, response_model_exclude={"join_key", "corpus"})
 async def run_config(run: str, coord: CoordinatorDep) -> RunConfig:
     return await run_in_threadpool(coord.run_config, run)
 

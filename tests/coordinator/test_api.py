@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
+import os
 from datetime import datetime, timedelta, timezone
 
 import numpy as np
 import pytest
 import torch
+from sqlalchemy import update
 
+from coordinator.models import Worker
 from coordinator.settings import CoordinatorSettings
 from shared import codec, protocol
 from shared.codec import Delta, Entry, IndexKind, ValueKind
@@ -59,7 +63,7 @@ def test_create_run_then_duplicate_name_conflicts(api, run_config):
     assert created["train_tokens"] == 4 * 8192
     assert created["eval_tokens"] > 0
 
-    resp = api.client.post(f"{API}/runs", json=run_config(inner={"steps": 7}))
+    resp = api.client.post(f"{API}/runs", json=run_config(inner={"steps": 7}), headers=api.admin)
     assert resp.status_code == 409
     assert "'t'" in resp.json()["detail"]
     runs = api.client.get(f"{API}/runs").json()
@@ -82,7 +86,7 @@ def test_create_run_then_duplicate_name_conflicts(api, run_config):
 ], ids=["name", "steps", "extra-field", "dense-fraction", "heads", "model-key", "shard-vs-context", "corpus",
         "shard-vs-corpus", "eval-vs-context"])
 def test_invalid_run_config_is_422_and_leaves_nothing_behind(api, run_config, overrides):
-    resp = api.client.post(f"{API}/runs", json=run_config(**overrides))
+    resp = api.client.post(f"{API}/runs", json=run_config(**overrides), headers=api.admin)
     assert resp.status_code == 422, resp.text
     assert resp.json()["detail"]
     assert api.client.get(f"{API}/runs").json() == []
@@ -90,11 +94,31 @@ def test_invalid_run_config_is_422_and_leaves_nothing_behind(api, run_config, ov
     assert api.create_run(run_config())["name"] == "t"
 
 
-def test_config_hides_the_join_key(api, run_config):
+def test_config_hides_the_join_key_and_the_corpus_path(api, run_config, corpus_dir):
     api.create_run(run_config(join_key="sesame-open-1234"))
-    cfg = api.client.get(f"{API}/runs/t/config").json()
-    assert "join_key" not in cfg
+    resp = api.client.get(f"{API}/runs/t/config")
+    cfg = resp.json()
+    assert "join_key" not in cfg and "corpus" not in cfg
+    assert str(corpus_dir) not in resp.text and "sesame" not in resp.text
     assert cfg["inner"]["steps"] == 3
+
+
+def test_public_status_counts_flagged_workers_but_never_says_who_or_why(api, run):
+    reason = "4 of its last 4 deltas rejected; last: norm 9.1 is 40.0x the median"
+    for name, standing in (("ok-worker", "ok"), ("slow-poisoner", "throttled"), ("poisoner", "banned")):
+        api.register(name=name)
+        with api.coordinator.sessions() as s:
+            s.execute(update(Worker).where(Worker.name == name).values(
+                standing=standing, standing_reason=reason if standing != "ok" else None))
+            s.commit()
+    resp = api.client.get(f"{API}/runs/t/status")
+    assert resp.status_code == 200
+    st = resp.json()
+    assert (st["workers_throttled"], st["workers_banned"], st["workers_total"]) == (1, 1, 3)
+    assert "workers_flagged" not in st and "poisoner" not in resp.text and "median" not in resp.text
+    # the operator's route still has who and why
+    listed = {w["name"]: w for w in api.operator("get", f"{API}/runs/t/workers").json()}
+    assert listed["poisoner"]["standing"] == "banned" and listed["poisoner"]["standing_reason"] == reason
 
 
 # -- workers ----------------------------------------------------------------------------------
@@ -411,17 +435,26 @@ def test_bad_upload_is_refused_and_changes_nothing(api, run, make_delta, encode_
 
 
 def test_hand_built_finite_delta_is_accepted(api, run, encode_unchecked):
-    """The control for the NaN/Inf cases above: the same hand-built envelope with finite values merges."""
+    """The control for the NaN/Inf cases above: the same hand-built envelope with finite values merges
+    (every tensor: a round's delta carries the whole model, issue 18; the others a little noise)."""
+    from tests.conftest import schema_of
+
     headers = api.register()
     lease = api.lease(headers)
-    body = encode_unchecked(lease.base_version, [("ln_f.bias", np.full(32, 0.5, np.float32))])
+    rng = np.random.default_rng(0)
+    VALUE = 0.005  # within what a round of AdamW steps moves one element by (the merge screen's bound)
+    body = encode_unchecked(lease.base_version, [
+        (n, np.full(32, VALUE, np.float32) if n == "ln_f.bias" else rng.normal(0, 1e-4, shape).astype(np.float32))
+        for n, shape in schema_of(lease).items()])
     before = api.runtime().state.params["ln_f.bias"].clone()
     assert api.accept(lease.lease_id, body, headers).will_merge_into == 1
     assert api.drain() == 1
     after = api.runtime().state.params["ln_f.bias"]
-    # share of the outer step: lr / group * value
-    expected = before - run.outer.lr / run.outer.group * 0.5
-    assert torch.allclose(after, expected, atol=1e-6)
+    # at most its share of the outer step, lr / group * value (robust merging may weigh a new
+    # worker's first deltas down), the same for every element
+    moved = before - after
+    assert torch.allclose(moved, moved[0].expand_as(moved), atol=1e-9)
+    assert 0 < moved[0] <= run.outer.lr / run.outer.group * VALUE + 1e-9
     assert api.status()["merged_deltas"] == 1
 
 
@@ -440,7 +473,8 @@ def test_rejected_uploads_are_counted_against_the_worker(api, run):
 def test_upload_over_the_size_cap_is_413(tmp_path, open_api, run_config, make_delta):
     settings = CoordinatorSettings(data_dir=tmp_path / "small", max_upload_bytes=1024)
     with open_api(settings) as api:
-        api.create_run(run_config())
+        # the run's deltas are small (1% random, int4): the lease's own compression fits under the cap
+        api.create_run(run_config(compression={"index": "random", "fraction": 0.01, "values": "int4"}))
         headers = api.register()
         lease = api.lease(headers)
         # dense fp32 for the whole model: far over 1 KiB
@@ -463,7 +497,7 @@ def test_upload_over_the_size_cap_is_413(tmp_path, open_api, run_config, make_de
         st = api.status()
         assert (st["pending_deltas"], st["bytes_up"], st["shards_done"]) == (0, 0, 0)
         # a small delta still fits under the cap and is accepted
-        small = make_delta(lease, compression=CompressionConfig(index="random", fraction=0.01, values="int4"))
+        small = make_delta(lease)
         assert len(small) <= 1024
         assert api.accept(lease.lease_id, small, headers).will_merge_into == 1
 
@@ -474,7 +508,8 @@ def test_unknown_run_is_404(api, run):
                          ("get", "/runs/nope/snapshots/latest"), ("get", "/runs/nope/snapshots/0"),
                          ("post", "/runs/nope/evaluate"), ("post", "/runs/nope/leases"),
                          ("get", "/runs/nope/shards/0")]:
-        resp = api.client.request(method.upper(), f"{API}{path}", headers=headers)
+        resp = api.client.request(method.upper(), f"{API}{path}",
+                                  headers=api.admin if path.endswith("/evaluate") else headers)
         assert resp.status_code == 404, (path, resp.text)
         assert "nope" in resp.json()["detail"]
     reg = api.client.post(f"{API}/runs/nope/workers", json={})
@@ -482,7 +517,7 @@ def test_unknown_run_is_404(api, run):
 
 
 def test_evaluate_now_records_once_per_version(api, run):
-    first = api.client.post(f"{API}/runs/t/evaluate")
+    first = api.operator("post", f"{API}/runs/t/evaluate")
     assert first.status_code == 200
     body = first.json()
     assert body["version"] == 0
@@ -499,7 +534,7 @@ def test_a_diverged_model_is_reported_not_recorded(api, run, make_delta, monkeyp
     survive JSON)."""
     rt = api.runtime()
     monkeypatch.setattr(rt, "evaluate", lambda: bad)
-    resp = api.client.post(f"{API}/runs/t/evaluate")
+    resp = api.operator("post", f"{API}/runs/t/evaluate")
     assert resp.status_code == 409 and "diverged" in resp.json()["detail"]
     assert "diverged" in caplog.text
     h = api.register()
@@ -537,3 +572,227 @@ def test_admin_token_guards_operator_actions(tmp_path, open_api, run_config):
 
 def test_the_coordinator_runs_on_the_backend_asked_for(api, db_backend):
     assert api.coordinator.engine.dialect.name == db_backend
+
+
+# -- a full disk: 503 + Retry-After, nothing acknowledged, the same request succeeds once there is room --
+
+def _no_space(err: int = 28):
+    def write(*_args, **_kwargs):
+        raise OSError(err, os.strerror(err))
+    return write
+
+
+def _acknowledged(api) -> tuple[int, int, int, int]:
+    """(model version, deltas recorded, leases delivered, the workers' deltas_rejected + refusals)."""
+    from sqlalchemy import func, select
+
+    from coordinator.models import DeltaRecord, Lease, Refusal, Worker
+
+    with api.coordinator.sessions() as s:
+        return (api.status()["version"], s.scalar(select(func.count()).select_from(DeltaRecord)),
+                s.scalar(select(func.count()).select_from(Lease).where(Lease.state == "delivered")),
+                s.scalar(select(func.sum(Worker.deltas_rejected))) + s.scalar(
+                    select(func.count()).select_from(Refusal)))
+
+
+def _assert_disk_full(resp) -> None:
+    assert resp.status_code == 503, (resp.status_code, resp.text)
+    assert resp.headers["Retry-After"] == "30"
+    assert resp.json() == {"detail": "the coordinator's disk is full; retry later"}
+
+
+@pytest.mark.parametrize("err", [errno.ENOSPC, errno.EDQUOT], ids=["ENOSPC", "EDQUOT"])
+def test_an_upload_on_a_full_disk_is_503_and_acknowledges_nothing(api, run, make_delta, monkeypatch, err):
+    headers = api.register()
+    lease = api.lease(headers)
+    body = make_delta(lease, scale=1e-4)
+    with monkeypatch.context() as m:  # making the delta's bytes durable fails: no space (where a
+        m.setattr(os, "fsync", _no_space(err))  # full disk shows itself, after delayed allocation)
+        _assert_disk_full(api.upload(lease.lease_id, body, headers))
+        assert _acknowledged(api) == (0, 0, 0, 0)  # nothing queued, and not held against the worker
+        assert api.drain() == 0
+    # room again: the same upload is acknowledged, as the first (not a duplicate), and merges once
+    ack = api.accept(lease.lease_id, body, headers)
+    assert (ack.will_merge_into, ack.duplicate) == (1, False)
+    assert api.drain() == 1
+    assert _acknowledged(api) == (1, 1, 1, 0)
+
+
+def test_an_upload_that_finds_the_database_full_is_503(api, run, make_delta, database_full):
+    headers = api.register()
+    lease = api.lease(headers)
+    body = make_delta(lease, scale=1e-4)
+    with database_full(api.coordinator.engine):
+        _assert_disk_full(api.upload(lease.lease_id, body, headers))
+    assert _acknowledged(api) == (0, 0, 0, 0)
+    assert api.accept(lease.lease_id, body, headers).will_merge_into == 1
+    assert api.drain() == 1
+    assert _acknowledged(api) == (1, 1, 1, 0)
+
+
+def test_a_lease_on_a_full_database_is_503_and_takes_no_shard(api, run, database_full):
+    from sqlalchemy import func, select
+
+    from coordinator.models import Lease
+
+    headers = api.register()
+    with database_full(api.coordinator.engine):
+        _assert_disk_full(api.client.post(f"{API}/runs/t/leases", headers=headers))
+    with api.coordinator.sessions() as s:
+        assert s.scalar(select(func.count()).select_from(Lease)) == 0
+    assert api.lease(headers).base_version == 0
+
+
+def test_other_os_errors_are_not_taken_for_a_full_disk(api, run, make_delta, monkeypatch):
+    """Only ENOSPC and EDQUOT become 503s; an I/O error stays a server error (500)."""
+    headers = api.register()
+    lease = api.lease(headers)
+    monkeypatch.setattr(os, "fsync", _no_space(errno.EIO))
+    with pytest.raises(OSError, match="Input/output error"):  # the TestClient re-raises a 500's cause
+        api.upload(lease.lease_id, make_delta(lease, scale=1e-4), headers)
+
+
+# -- issue 18: credit for nothing, double merges -----------------------------------------------------
+
+
+def _worker(api, worker_id: int) -> Worker:
+    with api.coordinator.sessions() as s:
+        return s.get(Worker, worker_id)
+
+
+def _refusals(api, worker_id: int) -> list[str]:
+    from coordinator.models import Refusal
+
+    with api.coordinator.sessions() as s:
+        return [r.reason for r in s.query(Refusal).filter_by(worker_id=worker_id).all()]
+
+
+def _model_state(api) -> tuple[int, bytes]:
+    return api.status()["version"], api.snapshot("latest")
+
+
+def test_a_one_value_delta_earns_nothing(api, run):
+    """Issue 18: a 71-byte delta carrying one value of 1e-7 earned a whole round's credit (819,200)
+    and first place. A round's delta must be what the lease's compression makes of the whole model:
+    refused 422 with the reason, counted against the worker, no version, no tokens, no credit."""
+    headers = api.register(name="cheat")
+    lease = api.lease(headers)
+    wid = api.coordinator.authenticate(headers["Authorization"][7:]).id
+    body = codec.encode(Delta(lease.base_version, (
+        Entry("ln_f.bias", 32, IndexKind.PACKED, ValueKind.FP32, np.array([1e-7], np.float32),
+              np.array([0], np.int64)),)))
+    assert len(body) < 100
+    before = _model_state(api)
+    resp = api.upload(lease.lease_id, body, headers)
+    assert resp.status_code == 422, resp.text
+    assert "every tensor" in resp.json()["detail"]
+    assert api.drain() == 0
+    assert _model_state(api) == before
+    w = _worker(api, wid)
+    assert (w.credit, w.tokens_trained, w.deltas_accepted, w.deltas_rejected) == (0.0, 0, 0, 1)
+    assert len(_refusals(api, wid)) == 1
+    assert api.status()["tokens_trained"] == 0
+
+
+def _tampered(lease: protocol.Lease, body: bytes, how: str) -> bytes:
+    """The honest delta `body` with one thing changed the way a cheat would."""
+    from tests.conftest import schema_of
+
+    d = codec.decode(body, schema=schema_of(lease))
+    first, rest = d.entries[0], d.entries[1:]
+    if how == "drop-tensor":
+        return codec.encode(Delta(d.base_version, rest))
+    if how == "fewer-values":
+        keep = max(1, first.k - 1) if first.k > 1 else 1
+        if first.index_kind == IndexKind.DENSE:
+            return codec.encode(Delta(d.base_version, (Entry(
+                first.name, first.numel, IndexKind.PACKED, first.value_kind, first.values[:keep],
+                np.arange(keep, dtype=np.int64)),) + rest))
+        if first.index_kind == IndexKind.SEEDED:  # its own choice of fewer indices
+            idx = np.sort(np.asarray(first.indices))[:keep]
+            return codec.encode(Delta(d.base_version, (Entry(
+                first.name, first.numel, IndexKind.PACKED, first.value_kind, first.values[:keep], idx),) + rest))
+        return codec.encode(Delta(d.base_version, (Entry(
+            first.name, first.numel, first.index_kind, first.value_kind, first.values[:keep],
+            first.indices[:keep]),) + rest))
+    if how == "other-seed":
+        return codec.encode(Delta(d.base_version, (Entry(
+            first.name, first.numel, first.index_kind, first.value_kind, first.values, None,
+            (first.seed + 1) % 2**64),) + rest))
+    raise ValueError(how)
+
+
+@pytest.mark.parametrize("compression, cheats", [
+    ({"index": "dense"}, ("drop-tensor", "fewer-values")),
+    ({"index": "topk", "fraction": 0.25}, ("drop-tensor", "fewer-values")),
+    ({"index": "random", "fraction": 0.25}, ("drop-tensor", "fewer-values", "other-seed")),
+])
+def test_a_delta_must_be_what_the_leases_compression_makes(api, run_config, make_delta, compression, cheats):
+    """Every tensor once, k_for(numel, fraction) values each (all for dense), random ones at the
+    indices the lease's seed draws: honest deltas pass, each cheat is refused (422, counted) and
+    changes nothing."""
+    api.create_run(run_config(compression=compression))
+    for how in cheats:
+        headers = api.register()
+        lease = api.lease(headers)
+        wid = api.coordinator.authenticate(headers["Authorization"][7:]).id
+        before = _model_state(api)
+        resp = api.upload(lease.lease_id, _tampered(lease, make_delta(lease, scale=1e-3), how), headers)
+        assert resp.status_code == 422, (how, resp.text)
+        assert "delta refused" in resp.json()["detail"]
+        assert api.drain() == 0 and _model_state(api) == before
+        assert len(_refusals(api, wid)) == 1 and _worker(api, wid).deltas_accepted == 0
+        # the honest delta of the same lease still goes through
+        assert api.accept(lease.lease_id, make_delta(lease, scale=1e-3), headers).duplicate is False
+        assert api.drain() == 1
+    assert api.status()["version"] == len(cheats)
+
+
+def test_copied_delta_bytes_are_merged_once(api, run, make_delta):
+    """Issue 18: another worker's delta bytes posted on a second lease with the same base were
+    merged a second time. Now 409 with the reason, counted against the copier; the copier's lease
+    stays live for a delta of its own; the original's retry still gets its 202."""
+    honest, copier = api.register(name="honest"), api.register(name="copier")
+    a, b = api.lease(honest), api.lease(copier)
+    assert a.base_version == b.base_version
+    body = make_delta(a, scale=1e-3)
+    first = api.accept(a.lease_id, body, honest)
+    before = api.status()
+    resp = api.upload(b.lease_id, body, copier)
+    assert resp.status_code == 409, resp.text
+    assert f"lease {a.lease_id}" in resp.json()["detail"] and "identical" in resp.json()["detail"]
+    after = api.status()
+    assert (after["version"], after["pending_deltas"], after["tokens_trained"]) == \
+        (before["version"], before["pending_deltas"], before["tokens_trained"])
+    cid = api.coordinator.authenticate(copier["Authorization"][7:]).id
+    assert len(_refusals(api, cid)) == 1 and _worker(api, cid).deltas_accepted == 0
+    retry = api.accept(a.lease_id, body, honest)  # the original's retry: its original answer
+    assert (retry.duplicate, retry.will_merge_into, retry.delta_id) == (True, first.will_merge_into, first.delta_id)
+    assert api.drain() == 1
+    assert api.status()["merged_deltas"] == 1
+    own = api.accept(b.lease_id, make_delta(b, scale=1e-3), copier)  # its own work is welcome
+    assert own.will_merge_into == 2 and api.drain() == 1
+    assert _worker(api, cid).deltas_accepted == 1
+
+
+def test_a_full_disk_is_told_by_the_error_not_by_what_a_client_sent():
+    """ENOSPC/EDQUOT, SQLite's SQLITE_FULL and PostgreSQL's 53100 mean a full disk, wrapped or not; a
+    statement whose parameters (a worker's name) happen to say "database or disk is full" does not."""
+    import sqlite3
+
+    import psycopg
+    from sqlalchemy.exc import IntegrityError, OperationalError
+
+    from coordinator.errors import is_disk_full
+
+    words = "database or disk is full"
+    assert is_disk_full(OSError(errno.ENOSPC, "full")) and is_disk_full(OSError(errno.EDQUOT, "quota"))
+    assert is_disk_full(OperationalError("COMMIT", None, sqlite3.OperationalError(words)))
+    assert is_disk_full(OperationalError("INSERT", None, psycopg.errors.DiskFull("could not extend file")))
+    try:
+        raise RuntimeError("while writing") from OSError(errno.ENOSPC, "full")
+    except RuntimeError as exc:
+        assert is_disk_full(exc)
+    assert not is_disk_full(OSError(errno.EIO, "I/O error"))
+    assert not is_disk_full(IntegrityError(f"INSERT ({words!r})", {"name": words},
+                                           sqlite3.IntegrityError("UNIQUE constraint failed: workers.name")))

@@ -37,7 +37,7 @@ from coordinator.app import create_app
 from coordinator.models import Worker
 from coordinator.settings import CoordinatorSettings
 from shared import protocol
-from tests.conftest import TINY_MODEL
+from tests.conftest import BASE_URL, TINY_MODEL
 
 API = protocol.API_PREFIX
 ADMIN_TOKEN = "auth-matrix-admin-token-0123456789"
@@ -137,8 +137,9 @@ def _bearer(token: str) -> dict[str, str]:
 def env(tmp_path_factory, corpus_dir):
     """Runs "t" and "u"; on "t" a worker with a lease, a second worker with a lease, a revoked worker
     and a spare one (the {worker_id} of operator routes); on "u" a worker with a lease."""
-    settings = CoordinatorSettings(data_dir=tmp_path_factory.mktemp("auth") / "coordinator", admin_token=ADMIN_TOKEN)
-    with TestClient(create_app(settings, start_merger=False)) as client:
+    settings = CoordinatorSettings(data_dir=tmp_path_factory.mktemp("auth") / "coordinator", admin_token=ADMIN_TOKEN,
+                                   corpus_dirs=[corpus_dir])
+    with TestClient(create_app(settings, start_merger=False), base_url=BASE_URL) as client:
         for name in ("t", "u"):
             resp = client.post(f"{API}/runs", json=_run_config(name, corpus_dir), headers=_bearer(ADMIN_TOKEN))
             assert resp.status_code == 201, resp.text

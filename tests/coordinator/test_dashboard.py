@@ -56,7 +56,7 @@ def test_dashboard_numbers(api, run, make_delta):
                       .values(created_at=received - timedelta(seconds=seconds)))
         s.commit()
     assert api.drain() == 3
-    api.client.post(f"{API}/runs/t/evaluate")
+    api.operator("post", f"{API}/runs/t/evaluate")
     bob_lease = api.lease(bob)  # bob trains again: live by his lease
     assert bob_lease.lease_id
 

@@ -7,6 +7,7 @@ run "s" uses sparta, "sd" sparta+diloco, "d" diloco. Shards of 1024 tokens leave
 from __future__ import annotations
 
 import hashlib
+import struct
 import warnings
 from datetime import timedelta
 from types import SimpleNamespace
@@ -14,6 +15,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+import zstandard
 from sqlalchemy import func, select, update
 
 with warnings.catch_warnings():
@@ -21,7 +23,7 @@ with warnings.catch_warnings():
     from fastapi.testclient import TestClient
 
 from coordinator.app import create_app
-from coordinator.models import Exchange, Lease, Run, Worker, utcnow
+from coordinator.models import Exchange, Lease, Refusal, Run, Worker, utcnow
 from coordinator.settings import CoordinatorSettings
 from shared import codec, protocol
 from shared.algorithms.compress import tensor_seed
@@ -29,7 +31,7 @@ from shared.algorithms.sparta import apply_correction, exchange_seed, select as 
 from shared.codec import Delta, Entry, IndexKind, ValueKind
 from shared.config import SpartaConfig
 from shared.snapshot import decode_snapshot
-from tests.conftest import TINY_MODEL, Api, fresh_database
+from tests.conftest import BASE_URL, TINY_MODEL, Api, fresh_database
 
 API = protocol.API_PREFIX
 STEPS, EVERY = 4, 2  # exchanges follow steps 2 and 4
@@ -48,9 +50,10 @@ OWN_DB_BACKENDS = True  # the module-scoped app below runs once per backend
 @pytest.fixture(scope="module", params=["sqlite", "postgresql"])
 def api(request, tmp_path_factory, corpus_dir):
     with fresh_database(request.param) as db_url:
+        # the module's many workers all register from one address (testclient): no registration limit
         settings = CoordinatorSettings(data_dir=tmp_path_factory.mktemp("exchange") / "coordinator",
-                                       database_url=db_url)
-        with TestClient(create_app(settings, start_merger=False)) as client:
+                                       register_rate=0, database_url=db_url, corpus_dirs=[corpus_dir])
+        with TestClient(create_app(settings, start_merger=False), base_url=BASE_URL) as client:
             a = Api(client)
             for name, algorithm in (("s", "sparta"), ("sd", "sparta+diloco"), ("d", "diloco")):
                 a.create_run(_config(name, algorithm, corpus_dir))
@@ -64,9 +67,10 @@ def post_exchange(api: Api, lease_id: int, step, body: bytes, headers: dict, con
 
 
 def worker_values(api: Api, run: str, seed: int = 0) -> dict[str, torch.Tensor]:
-    """A worker's weights: the centre plus some local drift."""
+    """A worker's weights: the centre plus some local drift (as far as a few steps of lr 2e-3 go: the
+    coordinator refuses values further from the centre than the run's AdamW steps can move them)."""
     g = torch.Generator().manual_seed(seed)
-    return {n: t.clone() + 0.05 * torch.randn(t.shape, generator=g) for n, t in api.runtime(run).state.params.items()}
+    return {n: t.clone() + 1e-3 * torch.randn(t.shape, generator=g) for n, t in api.runtime(run).state.params.items()}
 
 
 def sent_for(lease: protocol.Lease, step: int, params, *, p: float = SPARTA["p"], seed: int | None = None,
@@ -261,6 +265,18 @@ REFUSALS = {
 }
 
 
+# A body that does not even decode is the worker's own doing (issue 18): counted toward its standing
+# (a Refusal row) and its bytes as its traffic; the model and everything else stay as they were.
+COUNTED = {"garbage", "empty-body", "truncated"}
+
+
+def refusals_of(api: Api, headers: dict) -> list[tuple[str, str]]:
+    """(kind, reason) of the Refusal rows that count against the worker of `headers`."""
+    worker = api.coordinator.authenticate(headers["Authorization"].split()[1])
+    with api.coordinator.sessions() as s:
+        return [(r.kind, r.reason) for r in s.scalars(select(Refusal).where(Refusal.worker_id == worker.id))]
+
+
 @pytest.mark.parametrize("case", list(REFUSALS))
 def test_a_refused_exchange_changes_nothing(api, case):
     c = SimpleNamespace()
@@ -276,10 +292,14 @@ def test_a_refused_exchange_changes_nothing(api, case):
     resp = post_exchange(api, lease_id, step, body, headers, *ctype)
     assert resp.status_code == status, resp.text
     detail = resp.json()["detail"]
-    if isinstance(detail, str):
-        assert words in detail, detail
-    else:  # FastAPI's own validation answer (a missing query parameter)
-        assert case == "step-missing" and words in str(detail)
+    assert isinstance(detail, str) and words in detail, detail  # validation answers too (api/errors.py)
+    if case in COUNTED:  # before: refused uncounted, so malformed bodies cost their sender nothing
+        assert [kind for kind, _ in refusals_of(api, headers)] == ["exchange"]
+        wid = api.coordinator.authenticate(headers["Authorization"].split()[1]).id
+        up, down = before["workers"][wid]
+        before["workers"][wid] = (up + len(body), down)
+        r = before["runs"]["s"]
+        before["runs"]["s"] = (r[0] + len(body), *r[1:])
     assert_same(before, observe(api))
 
     # the refusal did not use up the exchange: the owner of a live lease can still make it
@@ -327,7 +347,8 @@ def test_a_sparta_round_ends_with_an_empty_delta(api):
     after = api.status("s")
     assert after["version"] == st["version"] + 1
     assert after["merged_deltas"] == st["merged_deltas"] + 1 and after["rejected_deltas"] == st["rejected_deltas"]
-    assert after["tokens_trained"] == st["tokens_trained"] + STEPS * 2 * TINY_MODEL["context"]
+    # the round's tokens in the share of its exchanges it made: one of STEPS // EVERY = 2 (issue 18)
+    assert after["tokens_trained"] == st["tokens_trained"] + STEPS * 2 * TINY_MODEL["context"] // 2
     assert all(torch.equal(centre[n], t) for n, t in rt.state.params.items())
     assert all(torch.equal(momentum[n], t) for n, t in rt.state.momentum.items())
     assert rt.state.in_group == in_group
@@ -364,3 +385,104 @@ def test_an_empty_delta_on_a_diloco_run_is_refused_and_changes_nothing(api, make
     after = api.status("d")
     assert after["version"] == before["version"] and after["tokens_trained"] == before["tokens_trained"]
     assert all(torch.equal(state[k], t) for k, t in rt.state.tensors().items())
+
+
+def test_a_sparta_rounds_credit_follows_the_exchanges_it_made(api):
+    """Issue 18: in a sparta run an empty end-of-round delta earned a whole round's tokens and
+    credit, exchanges or not. Now it counts the round's tokens times exchanges made / expected:
+    none made, no tokens and no credit (the delta is still taken: it closes the lease)."""
+    api.drain()
+    tokens = STEPS * 2 * TINY_MODEL["context"]  # the run's round: steps x batch x context
+    made = {}
+    for n_exchanges in (0, 1, 2):
+        headers = api.register("s", name=f"sparta-{n_exchanges}")
+        lease = api.lease(headers, run="s")
+        for i in range(n_exchanges):
+            step = EVERY * (i + 1)
+            body = codec.encode(sent_for(lease, step, worker_values(api, "s", seed=i)))
+            assert post_exchange(api, lease.lease_id, step, body, headers).status_code == 200
+        before = api.status("s")
+        ack = api.accept(lease.lease_id, codec.encode(Delta(lease.base_version, ())), headers)
+        assert not ack.duplicate
+        assert api.drain() == 1
+        after = api.status("s")
+        assert after["version"] == before["version"] + 1
+        made[n_exchanges] = after["tokens_trained"] - before["tokens_trained"]
+    assert made == {0: 0, 1: tokens // 2, 2: tokens}
+    with api.coordinator.sessions() as s:
+        credit = {w.name: (w.credit, w.tokens_trained) for w in s.scalars(
+            select(Worker).where(Worker.name.like("sparta-%")))}
+    assert credit["sparta-0"] == (0.0, 0)
+    assert credit["sparta-1"][1] == tokens // 2 and tokens // 2 <= credit["sparta-1"][0] <= 4 * tokens // 2
+    assert credit["sparta-2"][1] == tokens and tokens <= credit["sparta-2"][0] <= 4 * tokens
+
+
+def test_a_zstd_bomb_exchange_is_422_counted_and_never_decompressed(api, monkeypatch):
+    """Issue 18: a few KB declaring 100 MB was decompressed (twice) before the exchange was refused,
+    uncounted. Now its header alone refuses it (codec.MAX_UPLOAD_RATIO), and it counts."""
+    import shared.codec.envelope as env
+    from shared.codec.envelope import HEADER
+
+    decompressed = []
+    real = env._decompress
+    monkeypatch.setattr(env, "_decompress", lambda frame, n: decompressed.append(n) or real(frame, n))
+    monkeypatch.setattr(env, "max_body_bytes", lambda schema: 1 << 30)  # a big model's cap, not the tiny one's
+    headers = api.register("s")
+    lease = api.lease(headers, run="s")
+    declared = 100 << 20
+    frame = zstandard.ZstdCompressor(write_checksum=True).compress(struct.pack("<QI", lease.base_version, 1)
+                                                                    + bytes(declared - 12))
+    bomb = HEADER.pack(codec.MAGIC, codec.FORMAT_VERSION, declared) + frame
+    assert len(bomb) < 8 << 10
+    before = observe(api)
+    resp = post_exchange(api, lease.lease_id, EVERY, bomb, headers)
+    assert resp.status_code == 422 and "times its" in resp.json()["detail"], resp.text
+    assert decompressed == []
+    assert [kind for kind, _ in refusals_of(api, headers)] == ["exchange"]
+    wid = api.coordinator.authenticate(headers["Authorization"].split()[1]).id
+    up, down = before["workers"][wid]
+    before["workers"][wid] = (up + len(bomb), down)
+    before["runs"]["s"] = (before["runs"]["s"][0] + len(bomb), *before["runs"]["s"][1:])
+    assert_same(before, observe(api))  # the model, the exchanges, the leases: unchanged
+
+
+def test_exchanges_far_from_the_model_are_refused_and_throttle_the_worker(api):
+    """Issue 18: a fresh worker's exchanges with values of 60000 were all answered 200 and took the
+    eval loss to 2.6e9. Each is refused now (422, the reason), changes nothing, and counts toward the
+    worker's standing: two of them throttle it."""
+    headers = api.register("s")
+    lease = api.lease(headers, run="s")
+    before = observe(api)
+    for step in (EVERY, 2 * EVERY):
+        sent = sent_for(lease, step, worker_values(api, "s"))
+        poisoned = Delta(sent.base_version, tuple(
+            Entry(e.name, e.numel, e.index_kind, e.value_kind, np.full(e.k, 60000, np.float32), e.indices, e.seed)
+            for e in sent.entries))
+        resp = post_exchange(api, lease.lease_id, step, codec.encode(poisoned), headers)
+        assert resp.status_code == 422, resp.text
+        assert "exchange refused" in resp.json()["detail"] and "AdamW" in resp.json()["detail"]
+    after = observe(api)
+    assert after["exchanges"] == before["exchanges"]
+    for run, params in before["params"].items():  # the model is untouched
+        assert all(torch.equal(t, after["params"][run][n]) for n, t in params.items()), run
+    with api.coordinator.sessions() as s:
+        (w,) = [w for w in s.scalars(select(Worker)) if w.id == _worker_of(api, lease.lease_id)]
+        assert w.standing == "throttled" and "exchange refused" in w.standing_reason
+    resp = api.client.post(f"{API}/runs/s/leases", headers=headers)
+    assert resp.status_code == 429, resp.text  # throttled: no new lease for now
+
+
+def test_an_honest_exchange_passes_the_screen_and_is_remembered(api):
+    headers = api.register("s")
+    lease = api.lease(headers, run="s")
+    rt = api.runtime("s")
+    wid = _worker_of(api, lease.lease_id)
+    resp = post_exchange(api, lease.lease_id, EVERY, codec.encode(sent_for(lease, EVERY, worker_values(api, "s"))),
+                         headers)
+    assert resp.status_code == 200, resp.text
+    assert len(rt.exchange_norms.by_worker[str(wid)]) == 1  # its distance counts, once per worker, in the median
+
+
+def _worker_of(api, lease_id: int) -> int:
+    with api.coordinator.sessions() as s:
+        return s.get(Lease, lease_id).worker_id

@@ -85,14 +85,16 @@ def _bearer(token: str) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def fuzz_app(tmp_path_factory):
+def fuzz_app(tmp_path_factory, corpus_dir):
     no_limits = {k: 0 for k in ("lease_rate", "upload_rate", "exchange_rate", "register_rate")
                  if k in CoordinatorSettings.model_fields}
-    settings_ = CoordinatorSettings(data_dir=tmp_path_factory.mktemp("fuzz") / "coordinator",
-                                    admin_token=ADMIN_TOKEN, **no_limits)
-    app = create_app(settings_, start_merger=False)
     # 190 shards a run: every operation's fresh workers take leases, and earlier ones keep theirs
     corpus = write_corpus(tmp_path_factory.mktemp("fuzz-corpus"), n_files=200)
+    # schemathesis' in-process client asks for Host "testserver"
+    settings_ = CoordinatorSettings(data_dir=tmp_path_factory.mktemp("fuzz") / "coordinator",
+                                    admin_token=ADMIN_TOKEN, corpus_dirs=[corpus, corpus_dir], allowed_hosts=["testserver"],
+                                    **no_limits)
+    app = create_app(settings_, start_merger=False)
     # schemathesis' in-process client: entering it starts the app's lifespan, kept until shutdown_lifespans
     with schemathesis_asgi.get_client(app) as client:
         for name, algorithm in RUNS.items():

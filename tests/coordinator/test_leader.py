@@ -19,7 +19,7 @@ from coordinator.api.relay import RELAYED
 from coordinator.models import Run
 from coordinator.settings import CoordinatorSettings
 from shared import codec, protocol
-from tests.conftest import API, Api, TestClient, create_app, fresh_database
+from tests.conftest import API, BASE_URL, Api, TestClient, create_app, fresh_database
 from tests.coordinator.test_exchange import SPARTA, post_exchange, sent_for, worker_values
 
 OWN_DB_BACKENDS = True
@@ -32,10 +32,11 @@ def pg_url() -> Iterator[str]:
 
 
 @pytest.fixture
-def open_api():
+def open_api(corpus_dir):
     @contextlib.contextmanager
     def _open(settings: CoordinatorSettings) -> Iterator[Api]:
-        with TestClient(create_app(settings, start_merger=False)) as client:
+        settings = settings.model_copy(update={"corpus_dirs": [corpus_dir]})
+        with TestClient(create_app(settings, start_merger=False), base_url=BASE_URL) as client:
             yield Api(client)
 
     return _open
@@ -78,7 +79,7 @@ def test_one_process_leads_the_other_relays_and_takes_over(open_api, tmp_path: P
             assert again.status_code == 409, again.text  # refusals come back as they are
 
             # an evaluation through the follower runs on the leader's model
-            ev = second.client.post(f"{API}/runs/t/evaluate")
+            ev = second.operator("post", f"{API}/runs/t/evaluate")
             assert ev.status_code == 200, ev.text
 
             # a relayed request that reaches a process which does not lead is never relayed again

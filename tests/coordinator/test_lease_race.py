@@ -13,7 +13,13 @@ from coordinator.models import DeltaRecord, Lease, Run, Shard, Worker
 from shared import protocol
 
 
-def test_concurrent_lease_requests_get_distinct_shards(api, run_config):
+def test_concurrent_lease_requests_get_distinct_shards(open_api, settings, run_config):
+    # 12 workers register from one address (testclient): more than the registration burst allows
+    with open_api(settings.model_copy(update={"register_rate": 0.0})) as api:
+        _concurrent_lease_requests_get_distinct_shards(api, run_config)
+
+
+def _concurrent_lease_requests_get_distinct_shards(api, run_config):
     api.create_run(run_config(shard_tokens=2048))  # 18 shards
     coord = api.coordinator
     workers = [coord.authenticate(api.register()["Authorization"][7:]) for _ in range(12)]

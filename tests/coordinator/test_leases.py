@@ -93,24 +93,53 @@ def test_a_lease_still_uploading_is_kept_when_named(api, run, make_delta):
 
 
 def test_a_late_delta_on_an_expired_lease_is_still_merged(api, run, make_delta):
-    slow, fast = api.register(), api.register()
+    """A slow honest worker keeps its round while nobody took its shard: its lease expired, but the
+    shard still waits in the queue, so the late delta is merged and the shard is done."""
+    slow = api.register()
     late_lease = api.lease(slow)
     api.coordinator.expire_leases(now=utcnow() + LATER)
-    # the shard went back to the queue and someone else trained it meanwhile
-    redo = api.lease(fast)
-    assert redo.shard_id == late_lease.shard_id
-    api.accept(redo.lease_id, make_delta(redo, seed=1), fast)
-    assert api.drain() == 1
+    assert _shard_states(api)[late_lease.shard_id] == "pending"
 
     ack = api.accept(late_lease.lease_id, make_delta(late_lease, seed=2), slow)
-    assert ack.will_merge_into == 2 and not ack.duplicate
+    assert ack.will_merge_into == 1 and not ack.duplicate
     assert api.drain() == 1
     st = api.status()
-    assert (st["version"], st["merged_deltas"], st["rejected_deltas"]) == (2, 2, 0)
-    from coordinator.models import DeltaRecord
+    assert (st["version"], st["merged_deltas"], st["rejected_deltas"]) == (1, 1, 0)
+    assert _shard_states(api)[late_lease.shard_id] == "done"
+
+
+def test_an_expired_lease_whose_shard_was_reissued_cannot_deliver(api, run, make_delta):
+    """Issue 18: an expired lease whose shard went to another worker (or was trained since) is
+    refused 410 with the reason, and nothing changes: no version, no tokens, no credit, no mark
+    against the slow worker's standing (the expiry was not proof of bad faith)."""
+    from coordinator.models import DeltaRecord, Refusal, Worker
+
+    slow, fast = api.register(name="slow"), api.register(name="fast")
+    late_lease = api.lease(slow)
+    api.coordinator.expire_leases(now=utcnow() + LATER)
+    redo = api.lease(fast)  # the shard went back to the queue and someone else took it
+    assert redo.shard_id == late_lease.shard_id
+    snap = api.snapshot("latest")
+
+    resp = api.upload(late_lease.lease_id, make_delta(late_lease, seed=2), slow)  # while the other holds it
+    assert resp.status_code == 410, resp.text
+    assert "leased again" in resp.json()["detail"]
+    assert _shard_states(api)[redo.shard_id] == "leased"
+    api.accept(redo.lease_id, make_delta(redo, seed=1), fast)
+    assert api.drain() == 1
+    resp = api.upload(late_lease.lease_id, make_delta(late_lease, seed=3), slow)  # once the other trained it
+    assert resp.status_code == 410, resp.text
+    assert api.drain() == 0
+    st = api.status()
+    assert (st["version"], st["merged_deltas"], st["pending_deltas"]) == (1, 1, 0)
+    assert api.snapshot(0) == snap
     with api.coordinator.sessions() as s:
-        rec = s.query(DeltaRecord).filter_by(seq=2).one()
-        assert (rec.outcome, rec.staleness, rec.weight) == ("merged", 1, 1.0)
+        assert s.query(DeltaRecord).filter_by(lease_id=late_lease.lease_id).count() == 0
+        assert _lease_states(api)[late_lease.lease_id] == "expired"
+        w = s.query(Worker).filter_by(name="slow").one()
+        assert (w.credit, w.tokens_trained, w.deltas_accepted, w.standing) == (0.0, 0, 0, "ok")
+        assert s.query(Refusal).filter_by(worker_id=w.id).count() == 0
+        assert s.query(Shard).filter_by(index=redo.shard_id).one().times_trained == 1
 
 
 def test_a_delta_beyond_max_staleness_is_refused(api, run_config, make_delta):
@@ -186,14 +215,15 @@ def test_the_lr_follows_the_schedule(api, run_config, make_delta):
 
 
 def test_a_late_delta_does_not_free_a_shard_someone_else_holds(api, run, make_delta):
-    """Lease A expires, B takes the shard; A delivers late: the shard stays B's (not done, not
-    free to lease again, no early epoch) until B delivers."""
+    """Lease A expires, B takes the shard; A tries to deliver late: refused (410: the shard was
+    re-issued), and the shard stays B's (not done, not free to lease again, no early epoch) until
+    B delivers. (Before issue 18 A's delta was merged too: the shard trained twice.)"""
     slow, fast, other = api.register(), api.register(), api.register()
     a = api.lease(slow)
     api.coordinator.expire_leases(now=utcnow() + LATER)
     b = api.lease(fast)
     assert b.shard_id == a.shard_id
-    api.accept(a.lease_id, make_delta(a, seed=1), slow)
+    assert api.upload(a.lease_id, make_delta(a, seed=1), slow).status_code == 410
     assert _shard_states(api)[a.shard_id] == "leased"  # still B's
     for _ in range(3):  # the other three shards
         lease = api.lease(other)
@@ -205,7 +235,7 @@ def test_a_late_delta_does_not_free_a_shard_someone_else_holds(api, run, make_de
     assert _shard_states(api)[a.shard_id] == "done"
     assert api.lease(other).shard_id in range(4) and api.status()["epoch"] == 1
     with api.coordinator.sessions() as s:
-        assert s.query(Shard).filter_by(index=a.shard_id).one().times_trained == 2
+        assert s.query(Shard).filter_by(index=a.shard_id).one().times_trained == 1  # B's round only
 
 
 def test_renewal_extends_a_live_lease_only(api, run, make_delta):
@@ -213,7 +243,7 @@ def test_renewal_extends_a_live_lease_only(api, run, make_delta):
 
     w, other = api.register(), api.register()
     lease = api.lease(w)
-    resp = api.client.post(f"{API}/leases/{lease.lease_id}/renew", headers=w)
+    resp = api.client.post(f"{API}/leases/{lease.lease_id}/renew", params={"step": 1}, headers=w)
     assert resp.status_code == 200, resp.text
     new = datetime.fromisoformat(resp.json()["deadline"])
     assert new >= lease.deadline
@@ -254,3 +284,139 @@ def test_a_worker_gives_a_lease_back(api, run, make_delta):
     done = api.client.delete(f"{API}/leases/{second.lease_id}", headers=a)
     assert done.status_code == 409 and "delivered" in done.json()["detail"]
     assert _lease_states(api)[second.lease_id] == "delivered"
+
+
+def _renew(api, lease_id: int, headers: dict, step: int | None):
+    return api.client.post(f"{API}/leases/{lease_id}/renew", params={} if step is None else {"step": step},
+                           headers=headers)
+
+
+def test_a_renewal_must_show_progress(api, run):
+    """Issue 18 (hoarding): a renewal reports the round's local step, past the one the last renewal
+    reported; no step (422), no progress (409) and a step the round does not have (422, counted
+    against the worker) are refused and change nothing."""
+    from coordinator.models import Refusal
+
+    w = api.register()
+    lease = api.lease(w)
+
+    def stored():
+        with api.coordinator.sessions() as s:
+            row = s.get(Lease, lease.lease_id)
+            return row.deadline, row.progress_step
+
+    resp = _renew(api, lease.lease_id, w, None)
+    assert resp.status_code == 422 and "step" in resp.json()["detail"]
+    assert _renew(api, lease.lease_id, w, 1).status_code == 200
+    after_first = stored()
+    assert after_first[1] == 1
+    for step in (1, 0):  # the round did not move
+        resp = _renew(api, lease.lease_id, w, step)
+        assert resp.status_code == 409, resp.text
+        assert "no progress" in resp.json()["detail"]
+    assert stored() == after_first
+    resp = _renew(api, lease.lease_id, w, run.inner.steps + 1)
+    assert resp.status_code == 422 and f"{run.inner.steps} steps" in resp.json()["detail"]
+    assert stored() == after_first
+    with api.coordinator.sessions() as s:
+        assert [r.kind for r in s.query(Refusal).all()] == ["renew"]  # the impossible step counts
+    assert _renew(api, lease.lease_id, w, 2).status_code == 200
+    assert stored()[1] == 2
+
+
+def test_the_lease_lifetime_caps_renewals_and_the_sweep_reissues_the_shard(open_api, settings, run_config):
+    """Issue 18 (hoarding): renewing with progress extends a lease at most to its lifetime (here,
+    before any delivery: 4 x lease_ttl_s = 240 s); past it the renewal is refused (409), the
+    deadline stays bounded, and the expiry sweep hands the shard to another worker."""
+    from datetime import timezone
+
+    from coordinator.errors import Conflict
+
+    with open_api(settings.model_copy(update={"lease_lifetime_rounds": 4.0})) as api:
+        api.create_run(run_config(lease_ttl_s=60.0, inner={"steps": 20}))
+        coord = api.coordinator
+        hoarder, honest = api.register(), api.register()
+        lease = api.lease(hoarder)
+        worker = coord.authenticate(hoarder["Authorization"][7:])
+        with coord.sessions() as s:
+            t0 = s.get(Lease, lease.lease_id).created_at
+        t0 = t0 if t0.tzinfo else t0.replace(tzinfo=timezone.utc)  # SQLite hands datetimes back naive (UTC)
+        at = lambda s_: t0 + timedelta(seconds=s_)  # noqa: E731
+        assert coord.renew_lease(lease.lease_id, worker, step=1, now=at(50)).deadline == at(110)
+        assert coord.renew_lease(lease.lease_id, worker, step=2, now=at(100)).deadline == at(160)
+        assert coord.renew_lease(lease.lease_id, worker, step=3, now=at(150)).deadline == at(210)
+        assert coord.renew_lease(lease.lease_id, worker, step=4, now=at(200)).deadline == at(240)  # capped
+        try:
+            coord.renew_lease(lease.lease_id, worker, step=5, now=at(230))
+            raise AssertionError("a renewal past the lease's lifetime was granted")
+        except Conflict as exc:
+            assert exc.status_code == 409 and "lifetime" in exc.detail
+        with coord.sessions() as s:
+            row = s.get(Lease, lease.lease_id)
+            assert row.progress_step == 4
+            deadline = row.deadline if row.deadline.tzinfo else row.deadline.replace(tzinfo=timezone.utc)
+        assert deadline == at(240)
+        assert coord.expire_leases(now=at(239)) == 0
+        assert coord.expire_leases(now=at(240)) == 1
+        assert _lease_states(api)[lease.lease_id] == "expired"
+        assert _shard_states(api)[lease.shard_id] == "pending"
+        assert api.lease(honest).shard_id == lease.shard_id  # re-issued
+
+
+def test_one_address_cannot_hoard_every_shard(open_api, settings, run_config):
+    """Issue 18 (hoarding): tokens minted from one address hold at most max_leases_per_address live
+    leases of a run (an IPv6 address counts by its /64); past it 429 + Retry-After with the reason,
+    and nothing changes. An honest worker from another address still gets a lease."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from fastapi.testclient import TestClient
+    from tests.conftest import Api
+
+    def client_at(api, host: str) -> Api:
+        return Api(TestClient(api.client.app, base_url=str(api.client.base_url), client=(host, 40000)))
+
+    with open_api(settings.model_copy(update={"max_leases_per_address": 2})) as api:
+        api.create_run(run_config(shard_tokens=2048))  # 18 shards: the cap, not the shards, stops the hoarder
+        hoarder = [api.register() for _ in range(4)]  # all from one address ("testclient")
+        held = [api.lease(h) for h in hoarder[:2]]
+        shards_before, leases_before = _shard_states(api), _lease_states(api)
+        for h in hoarder[2:]:
+            resp = api.client.post(f"{API}/runs/t/leases", headers=h)
+            assert resp.status_code == 429, resp.text
+            assert "max_leases_per_address" in resp.json()["detail"] and int(resp.headers["retry-after"]) >= 1
+        assert _shard_states(api) == shards_before and _lease_states(api) == leases_before  # nothing changed
+        assert list(_shard_states(api).values()).count("pending") == 16
+        # a worker of the address asking again gives its own lease up first: it still gets one
+        again = api.lease(hoarder[0])
+        assert _lease_states(api)[held[0].lease_id] == "abandoned" and again.lease_id != held[0].lease_id
+
+        honest = client_at(api, "198.51.100.7")
+        assert honest.lease(honest.register()).shard_id in range(18)
+        # IPv6: one /64 is one address; the next /64 is another
+        same = [client_at(api, f"2001:db8:0:1::{i}") for i in (1, 2, 3)]
+        same_headers = [c.register() for c in same]
+        same[0].lease(same_headers[0])
+        same[1].lease(same_headers[1])
+        resp = same[2].client.post(f"{API}/runs/t/leases", headers=same_headers[2])
+        assert resp.status_code == 429, resp.text
+        neighbour = client_at(api, "2001:db8:0:2::1")
+        assert neighbour.lease(neighbour.register()).shard_id in range(18)
+
+
+def test_the_registration_burst_is_small(open_api, settings, run_config):
+    """Issue 18 (hoarding): one address could register 100 workers at once (58 tokens in 0.6 s);
+    the default burst now stops it within a handful, with 429 + Retry-After, and what was refused
+    created no worker."""
+    from coordinator.models import Worker
+
+    assert settings.register_burst <= 10
+    with open_api(settings) as api:
+        api.create_run(run_config())
+        codes = [api.client.post(f"{API}/runs/t/workers", json={}).status_code for _ in range(20)]
+        assert codes.count(201) <= 10 and codes[-1] == 429
+        resp = api.client.post(f"{API}/runs/t/workers", json={})
+        assert resp.status_code == 429 and int(resp.headers["retry-after"]) >= 1
+        with api.coordinator.sessions() as s:
+            assert s.query(Worker).count() == codes.count(201)

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import logging
+import math
+import os
+import sqlite3
 
+import numpy as np
 import pytest
 import torch
 
-from coordinator.models import DeltaRecord
+from coordinator.models import DeltaRecord, Worker
 from coordinator.settings import CoordinatorSettings
 from shared import codec
 from shared.algorithms.outer import OuterState, apply_delta, published, staleness_weight
@@ -63,7 +68,7 @@ class Uploader:
         seqs = []
         for headers, lease in held:
             self._seed += 1
-            body = self.make_delta(lease, seed=self._seed, scale=0.05)
+            body = self.make_delta(lease, seed=self._seed, scale=2e-3)  # within what a round can move
             ack = self.api.accept(lease.lease_id, body, headers)
             self.sent[ack.will_merge_into] = (body, lease.base_version)
             seqs.append(ack.will_merge_into)
@@ -73,7 +78,10 @@ class Uploader:
         return [self.sent[seq] for seq in sorted(self.sent)]
 
 
-MANY_SHARDS = {"shard_tokens": 2048}  # 18 shards: every worker in these tests always finds work
+# 18 shards: every worker in these tests always finds work. The replay here is the merge rule alone:
+# new workers at full weight from their first delta (no ramp), and random deltas, which agree with
+# no consensus, never refused for it.
+MANY_SHARDS = {"shard_tokens": 2048, "robust": {"ramp": 1, "min_agreement": -1.0}}
 
 
 @pytest.fixture
@@ -247,3 +255,153 @@ def test_restart_after_checkpoint_every(tmp_path, open_api, run_config, make_del
     with open_api(settings) as api:
         assert api.runtime().version == 6
         assert_same(published(api.runtime().state, cfg.outer), final)
+
+
+# -- a full disk: the merger finds its own way back, and a restart needs no writes ---------------
+
+def _no_space(*_args, **_kwargs):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def _two_queued(api, make_delta) -> list[tuple[bytes, int]]:
+    """Two deltas from version 0, acknowledged and queued; returns them in their merge order."""
+    sent = []
+    for seed in (1, 2):
+        headers = api.register()
+        lease = api.lease(headers)
+        body = make_delta(lease, seed=seed, scale=1e-4)
+        assert api.accept(lease.lease_id, body, headers).will_merge_into == seed
+        sent.append((body, lease.base_version))
+    return sent
+
+
+def _merged(api) -> tuple[int, int, int]:
+    st = api.status()
+    return st["version"], st["merged_deltas"] + st["rejected_deltas"], st["pending_deltas"]
+
+
+def test_the_merger_recovers_by_itself_when_a_full_disk_stops_a_merge_step(api, run, make_delta, monkeypatch):
+    """The snapshot of a batch fails for want of space after its weights moved: the live model is
+    ahead of the database. Today's merger then saw nothing left to merge until an upload forced a
+    reload; now it reloads itself and, once there is room, merges the same deltas, each once."""
+    sent = _two_queued(api, make_delta)
+    with monkeypatch.context() as m:
+        m.setattr(api.coordinator.storage, "write", _no_space)
+        for _ in range(2):  # every try while full fails, and leaves the model as the database has it
+            with pytest.raises(OSError, match="No space left"):
+                api.drain()
+            assert _merged(api) == (0, 0, 2)
+            assert api.runtime().version == 0
+    assert api.drain() == 2  # room again: no upload needed
+    assert _merged(api) == (2, 2, 0)
+    assert_same(latest_params(api, run), replay(run, sent))
+    assert_same(published(api.runtime().state, run.outer), replay(run, sent))
+
+
+def test_the_merger_reloads_before_merging_while_a_reload_fails(api, run, make_delta, monkeypatch, database_full):
+    """The commit finds the database full and the reload after it fails too (the database away): the
+    next step reloads first, so the deltas merge once, not on top of the model that got ahead."""
+    from sqlalchemy.exc import OperationalError
+
+    sent = _two_queued(api, make_delta)
+    coord = api.coordinator
+
+    def away(_run_id):
+        raise OperationalError("SELECT", None, sqlite3.OperationalError("unable to open database file"))
+
+    with database_full(coord.engine), monkeypatch.context() as m:
+        m.setattr(coord, "reload_run", away)
+        with pytest.raises(OperationalError, match="disk is full|disk_full|No space"):
+            api.drain()
+        # ahead of the database (one delta: a batch ends where a snapshot is due, every version
+        # here), and no reload managed yet
+        assert api.runtime().version == 1
+        with pytest.raises(OperationalError, match="unable to open"):
+            api.drain()  # tries the reload first, which still fails: nothing merged on top
+        assert api.runtime().version == 1
+    assert _merged(api) == (0, 0, 2)
+    assert api.drain() == 2
+    assert _merged(api) == (2, 2, 0)
+    assert_same(published(api.runtime().state, run.outer), replay(run, sent))
+
+
+def test_a_restart_on_a_full_disk_comes_up_and_writes_what_it_skipped_later(tmp_path, open_api, run_config,
+                                                                             make_delta, monkeypatch):
+    """A crash left two merged versions to replay; the restart finds no room for the checkpoint after
+    the replay or the missing snapshot. It comes up all the same: /healthz, status and leases answer,
+    uploads get 503; once there is room the merger writes both."""
+    settings = CoordinatorSettings(data_dir=tmp_path / "coord", checkpoint_every=2)
+    cfg_dict = run_config(**MANY_SHARDS)
+    cfg = RunConfig.model_validate(cfg_dict)
+    with open_api(settings) as api:
+        api.create_run(cfg_dict)
+        run_id = api.runtime().run_id
+        sent = _two_queued(api, make_delta)
+        api.runtime().snapshot_cost_s = 1e9  # the snapshot duty holds version 2's snapshot back
+        assert api.drain() == 2
+    storage = api.coordinator.storage
+    storage.checkpoint(run_id, 2).unlink()  # the crash came before the checkpoint: 2 deltas to replay
+    assert [v for v, _ in storage.list_checkpoints(run_id)] == [0]
+
+    with monkeypatch.context() as m:
+        m.setattr(os, "fsync", _no_space)  # every durable write fails
+        with open_api(settings) as api:
+            assert api.client.get("/healthz").status_code == 200
+            assert _merged(api) == (2, 2, 0)
+            assert_same(published(api.runtime().state, cfg.outer), replay(cfg, sent))
+            assert [v for v, _ in storage.list_checkpoints(run_id)] == [0]
+            headers = api.register()
+            lease = api.lease(headers)
+            assert lease.base_version == 0  # the newest snapshot there is
+            resp = api.upload(lease.lease_id, make_delta(lease, seed=3, scale=1e-4), headers)
+            assert (resp.status_code, resp.headers["Retry-After"]) == (503, "30")
+            with pytest.raises(OSError):  # the merger's catch-up fails too, and says so, until there is room
+                api.merger.catch_up_snapshot(api.runtime())
+            m.undo()
+            assert api.merger.catch_up_snapshot(api.runtime())
+            assert api.merger.catch_up_checkpoint(api.runtime())
+            assert [v for v, _ in storage.list_checkpoints(run_id)] == [2, 0]
+            assert api.lease(api.register()).base_version == 2
+            assert_same(latest_params(api, cfg), replay(cfg, sent))
+
+
+def test_the_screen_holds_from_the_first_delta_and_a_new_worker_ramps_up(api, run_config, make_delta, encode_unchecked):
+    """Issue 18: before 8 norms were known only the absolute bound applied (~10 H lr per element): one
+    worker's random deltas at 0.95x it all merged. Now the first such delta is rejected (the
+    per-element bound), a delta of zeros is no round's work, both count toward the sender's standing
+    and earn nothing; an honest new worker's first delta merges at 1/ramp of its weight."""
+    cfg = RunConfig.model_validate(run_config(shard_tokens=2048))
+    api.create_run(cfg.model_dump(mode="json"))
+    rt = api.runtime()
+    assert rt.reference_norm is not None and rt.reference_norm > 0  # the coordinator's own round
+    bad, good = api.register(name="bad"), api.register(name="good")
+    schema = param_schema(build_model(cfg.model))
+    v0 = latest_params(api, cfg)
+    a = 0.95 * cfg.robust.bound_factor * cfg.inner.steps * cfg.inner.lr
+    rng = np.random.default_rng(0)
+    for values in ("random", "zeros"):
+        lease = api.lease(bad)
+        entries = [(n, (a * rng.choice([-1.0, 1.0], size=math.prod(s)) if values == "random"
+                        else np.zeros(math.prod(s))).astype(np.float32)) for n, s in schema.items()]
+        assert api.upload(lease.lease_id, encode_unchecked(lease.base_version, entries), bad).status_code == 202
+        assert api.drain() == 1
+    assert_same(latest_params(api, cfg), v0)  # nothing merged
+    with api.coordinator.sessions() as s:
+        recs = s.query(DeltaRecord).order_by(DeltaRecord.seq).all()
+        assert [r.outcome for r in recs] == ["rejected", "rejected"]
+        assert "one element" in recs[0].reason and "too small" in recs[1].reason
+        w = s.get(Worker, recs[0].worker_id)
+        assert (w.standing, w.credit or 0.0) == ("throttled", 0.0)
+    assert api.client.post("/api/v1/runs/t/leases", headers=bad).status_code == 429
+
+    lease = api.lease(good)
+    body = make_delta(lease)
+    api.accept(lease.lease_id, body, good)
+    assert api.drain() == 1
+    state = OuterState.fresh(get_params(build_model(cfg.model, seed=cfg.seed)))
+    assert lease.base_version == 2  # the rejected deltas made versions too, and moved nothing
+    apply_delta(state, codec.decode(body, schema=schema), weight=staleness_weight(0, cfg.outer) / cfg.robust.ramp,
+                cfg=cfg.outer)
+    got, want = latest_params(api, cfg), published(state, cfg.outer)
+    assert all(torch.allclose(got[n], want[n], atol=1e-7) for n in got)
+    assert differs(got, v0)

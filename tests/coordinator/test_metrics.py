@@ -45,7 +45,7 @@ def test_metrics_count_merges_rejections_leases_bytes_and_loss(api, run, make_de
     assert value(before, "idletrain_deltas_queued", run="t") == 3
     assert value(before, "idletrain_merge_seconds_count", run="t") == 0  # known runs are exported from the start
     assert api.drain() == 3
-    api.client.post(f"{API}/runs/t/evaluate")
+    api.operator("post", f"{API}/runs/t/evaluate")
 
     m = scrape(api)
     status = api.status()
@@ -110,6 +110,7 @@ def test_reason_classes_follow_the_texts_robust_merging_writes():
     texts = {
         "nonfinite": screen(_dense([math.inf, 0]), history=[], reference=None, cfg=cfg).reason,
         "bound": screen(_dense([100.0, 0]), history=[], reference=None, cfg=cfg, bound=1.0).reason,
+        "small": screen(_dense([0.0, 0]), history=[], reference=None, cfg=cfg).reason,
         "norm": screen(_dense([50.0, 0]), history=history, reference=None, cfg=cfg).reason,
         "direction": screen(_dense([-1.0, 0]), history=history, reference={"w": torch.tensor([1.0, 0.0])},
                             cfg=cfg).reason,
@@ -119,6 +120,16 @@ def test_reason_classes_follow_the_texts_robust_merging_writes():
     }
     for label, text in texts.items():
         assert text and reason_class(text) == label, (label, text)
+    # the screen's other texts (shared/algorithms/robust.py) fall in the same classes
+    assert reason_class(screen(_dense([100.0, 0]), history=[], reference=None, cfg=cfg, elements=1.0).reason) == "bound"
+    assert reason_class(screen(_dense([100.0, 0]), history=[], reference=None, cfg=cfg,
+                               reference_norm=1.0).reason) == "bound"
+    assert reason_class(screen(_dense([1e-9, 0]), history=[], reference=None, cfg=cfg,
+                               reference_norm=1.0).reason) == "small"
+    assert reason_class(screen(_dense([1e-3, 0]), history=[1.0] * 4, reference=None,
+                               cfg=cfg.model_copy(update={"min_workers": 1})).reason) == "small"
+    assert reason_class(screen(_dense([0, 2.0]), history=history, reference={"w": torch.tensor([1.0, 0.0])},
+                               cfg=cfg.model_copy(update={"min_workers": 1})).reason) == "direction"
     assert reason_class("base version 9 is newer than the model (3)") == "stale"
     assert reason_class("something new") == reason_class(None) == "other"
     assert set(texts) | {"other"} == set(REASONS)

@@ -33,7 +33,8 @@ def lazy(request, monkeypatch) -> bool:
 
 def config(**outer) -> RunConfig:
     return RunConfig(name="rt", model=MODEL, seed=3, outer=OuterConfig(**outer),
-                     robust=RobustConfig(min_history=3, window=8))
+                     # random deltas: no agreement asked of large ones, or none would be clipped here
+                     robust=RobustConfig(min_history=3, window=8, min_agreement=-1.0))
 
 
 def deltas(n: int, *, seed: int = 0) -> list[Delta]:
@@ -83,6 +84,7 @@ def plain_reference(cfg: RunConfig, ds: list[Delta], bases: list[int], schema) -
     state = OuterState.fresh(get_params(build_model(cfg.model, seed=cfg.seed)))
     n = sum(t.numel() for t in state.params.values())
     bound = robust.adam_bound(steps=cfg.inner.steps, lr=cfg.inner.lr, n_params=n)
+    elements = robust.element_bound(steps=cfg.inner.steps, lr=cfg.inner.lr)
     history: list[float] = []
     out = []
     for version, (d, base) in enumerate(zip(ds, bases)):
@@ -92,7 +94,8 @@ def plain_reference(cfg: RunConfig, ds: list[Delta], bases: list[int], schema) -
             out.append((False, None, None))
             continue
         delta = codec.decode(codec.encode(d), schema=schema)
-        v = robust.screen(delta, history=history, reference=state.momentum, cfg=cfg.robust, bound=bound)
+        v = robust.screen(delta, history=history, reference=state.momentum, cfg=cfg.robust, bound=bound,
+                          elements=elements)
         if v.merged:
             apply_delta(state, delta, weight=w * v.scale, cfg=cfg.outer)
         robust.remember(history, v, cfg.robust)
@@ -214,3 +217,46 @@ def test_exchange_on_the_scaled_form_and_its_exact_undo(tmp_path, lazy):
     rt.undo_exchange(sent, before)
     assert torch.equal(rt.outer.t, t_before)
     assert all(torch.equal(t, centre[n]) for n, t in rt.state.params.items())
+
+
+def test_the_reference_round_is_the_consensus_until_the_momentum_has_one(tmp_path):
+    """Before the first momentum step the outer momentum has no direction; the coordinator's own reference
+    round stands in: a first delta along it merges, one at the same norm in a random direction does not.
+    The reference direction survives a checkpoint while it is needed and is dropped once the momentum
+    speaks (a delta's support meets a non-zero momentum)."""
+    cfg = RunConfig(name="rt", model=MODEL, seed=3, outer=OuterConfig(group=2), robust=RobustConfig())
+    rt = runtime(tmp_path, cfg)
+    tokens = torch.randint(0, MODEL.vocab_size, (4096,), generator=torch.Generator().manual_seed(0))
+    rt.calibrate(tokens)
+    ref = rt.reference_delta
+    assert ref is not None and ref.shape == rt.outer.m.shape and rt.reference_norm > 0
+
+    def dense(flat: torch.Tensor) -> Delta:
+        return Delta(0, tuple(Entry(n, int(np.prod(s)), IndexKind.DENSE, ValueKind.FP32,
+                                    flat[off:off + int(np.prod(s))].numpy().astype(np.float32), None)
+                              for n, s in rt.schema.items() for off in [rt.outer.offsets[n]]))
+
+    rng = np.random.default_rng(0)
+    scale = 0.9 * rt.reference_norm / float(ref.norm())  # an honest round's size
+    random_dir = torch.from_numpy(rng.choice([-1.0, 1.0], ref.numel()).astype(np.float32))
+    random_dir *= 0.9 * rt.reference_norm / float(random_dir.norm())
+    items = store(rt, [dense(random_dir), dense(ref * scale), dense(ref * scale * 0.8)], [0, 0, 0])
+    before = rt.outer.t.clone()
+    attack = rt.merge(seq=items[0][0], base_version=0, write_snapshot=False, worker=1)
+    assert not attack.merged and "consensus" in attack.reason and attack.cosine == pytest.approx(0.0, abs=0.05)
+    assert torch.equal(rt.outer.t, before) and rt.outer.in_group == 0  # it changed nothing
+    assert torch.equal(rt.outer.m, torch.zeros_like(rt.outer.m))
+    rt.write_checkpoint()
+    back = RunRuntime.from_checkpoint(run_id=1, config=cfg, storage=rt.storage)
+    assert torch.equal(back.reference_delta, ref)  # kept while no momentum exists
+    for r in (rt, back):
+        honest = r.merge(seq=items[1][0], base_version=0, write_snapshot=False, worker=2)
+        assert honest.merged and honest.cosine == pytest.approx(1.0, abs=1e-5)
+        r.merge(seq=items[2][0], base_version=0, write_snapshot=False, worker=3)  # the group's end: a momentum
+        assert r.reference_delta is not None  # no delta has met the momentum yet
+    items = store(rt, [dense(ref * scale * 0.7)], [0])
+    store(back, [dense(ref * scale * 0.7)], [0])
+    for r in (rt, back):
+        r.merge(seq=items[0][0], base_version=0, write_snapshot=False, worker=2)
+        assert r.reference_delta is None
+    assert torch.equal(rt.outer.t, back.outer.t)

@@ -12,7 +12,7 @@ from shared import protocol
 from shared.config import RunConfig
 from shared.snapshot import decode_snapshot
 from tests.conftest import API, schema_of
-from tests.coordinator.test_merger import assert_same, replay
+from tests.coordinator.test_merger import MANY_SHARDS, assert_same, replay
 
 
 def _versions(api) -> list[int]:
@@ -23,7 +23,7 @@ def _versions(api) -> list[int]:
 def test_snapshots_every_n_versions_and_when_the_queue_runs_dry(tmp_path, open_api, run_config, make_delta,
                                                                  monkeypatch):
     settings = CoordinatorSettings(data_dir=tmp_path / "c", snapshot_every=3)
-    cfg = run_config(shard_tokens=2048)
+    cfg = run_config(**MANY_SHARDS)  # test_merger's replay: the merge rule alone (no ramp)
     with open_api(settings) as api:
         api.create_run(cfg)
         workers = [api.register() for _ in range(5)]
@@ -81,7 +81,7 @@ def test_costly_snapshots_keep_to_their_share_of_the_merger_time(tmp_path, open_
     import time
 
     settings = CoordinatorSettings(data_dir=tmp_path / "c", snapshot_every=1, snapshot_duty=0.2)
-    cfg = run_config(shard_tokens=2048)
+    cfg = run_config(**MANY_SHARDS)  # test_merger's replay: the merge rule alone (no ramp)
     with open_api(settings) as api:
         api.create_run(cfg)
         rt = api.runtime()

@@ -39,7 +39,7 @@ def test_downloads_reach_the_database_once(api, run, make_delta):
     assert after["bytes_down_model"] - before["bytes_down_model"] == len(snap.content)
     api.coordinator.flush_traffic()  # nothing left to write twice
     assert api.status()["bytes_down"] == after["bytes_down"]
-    (w,) = api.client.get(f"{API}/runs/t/workers").json()
+    (w,) = api.operator("get", f"{API}/runs/t/workers").json()
     assert w["bytes_down"] == len(shard.content)
 
 

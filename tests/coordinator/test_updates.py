@@ -16,7 +16,7 @@ def test_update_turns_an_old_snapshot_into_the_new_one(api, run, make_delta):
     for seed in range(1, 4):
         lease = api.lease(w)
         leases.append(lease)
-        api.accept(lease.lease_id, make_delta(lease, seed=seed, scale=0.05), w)
+        api.accept(lease.lease_id, make_delta(lease, seed=seed, scale=2e-3), w)
         api.drain()
     schema = schema_of(leases[0])
     old, _ = decode_snapshot(api.snapshot(0), schema=schema)
@@ -72,7 +72,7 @@ def test_a_run_with_int8_updates_serves_them_in_int8(api, run_config, make_delta
     w = api.register()
     for seed in (1, 2):
         lease = api.lease(w)
-        api.accept(lease.lease_id, make_delta(lease, seed=seed, scale=0.05), w)
+        api.accept(lease.lease_id, make_delta(lease, seed=seed, scale=2e-3), w)
         api.drain()
     schema = schema_of(lease)
     old, _ = decode_snapshot(api.snapshot(0), schema=schema)
@@ -97,7 +97,7 @@ def test_concurrent_requests_build_an_update_once_and_one_build_at_a_time(api, r
     w = api.register()
     for seed in range(1, 4):
         lease = api.lease(w)
-        api.accept(lease.lease_id, make_delta(lease, seed=seed, scale=0.05), w)
+        api.accept(lease.lease_id, make_delta(lease, seed=seed, scale=2e-3), w)
         api.drain()
     coord = api.coordinator
     real, active, peak = coord._build_update, [0], [0]

@@ -36,6 +36,7 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 from sqlalchemy.engine import make_url
 
+from coordinator import admin, hosts
 from coordinator.settings import CoordinatorSettings
 from idletrain.cli import RUN_FLAGS, build_parser, build_run_config
 from idletrain.demo import free_port, wait_healthy
@@ -219,7 +220,7 @@ def test_dockerfile_copies_every_package_and_installs_the_postgres_extra(dockerf
                 f".dockerignore's {pat!r} drops {src}, which the Dockerfile copies"
 
 
-def test_dockerfile_coordinator_image(dockerfile, monkeypatch):
+def test_dockerfile_coordinator_image(dockerfile, monkeypatch, tmp_path):
     instructions = chain(dockerfile[1], "coordinator")
     env = env_of(instructions)
     settings = {coordinator_field(k): v for k, v in env.items() if k.startswith("IDLETRAIN_")}
@@ -231,12 +232,15 @@ def test_dockerfile_coordinator_image(dockerfile, monkeypatch):
     argv = json.loads(last(instructions, "ENTRYPOINT")) + json.loads(last(instructions, "CMD"))
     assert argv[0] == "idletrain"
     assert parse_cli(argv[1:]).func.__name__ == "cmd_coordinator_serve"
-    # Listening on 0.0.0.0, the image starts only with an admin token.
+    # Listening on 0.0.0.0 it starts without IDLETRAIN_ADMIN_TOKEN too: the operator routes then
+    # require the token it generates in its data volume (there is no open mode any more), and it
+    # answers any Host name, a public server's name being unknown to it.
     for var in [k for k in os.environ if k.startswith("IDLETRAIN_")]:
         monkeypatch.delenv(var)
-    with pytest.raises(ValueError, match="IDLETRAIN_ADMIN_TOKEN"):
-        CoordinatorSettings(**settings)
-    CoordinatorSettings(**settings, admin_token=SECRETS["IDLETRAIN_ADMIN_TOKEN"])
+    assert CoordinatorSettings(**settings).admin_token is None
+    assert hosts.allowed_hosts(CoordinatorSettings(**settings)) is None
+    given = CoordinatorSettings(**settings, admin_token=SECRETS["IDLETRAIN_ADMIN_TOKEN"])
+    assert admin.ensure_token(tmp_path, given.admin_token) == (SECRETS["IDLETRAIN_ADMIN_TOKEN"], False)
 
 
 def test_dockerfile_worker_image(dockerfile, capsys):
@@ -643,7 +647,8 @@ def _compose_against_a_real_coordinator(services, dockerfile, corpus_dir, tmp_pa
         del coord_env["IDLETRAIN_DATABASE_URL"], coord_env["IDLETRAIN_PROCESSES"]
     else:
         coord_env["IDLETRAIN_DATABASE_URL"] = db_url
-    coord_env.update(IDLETRAIN_HOST="127.0.0.1", IDLETRAIN_PORT=str(port), IDLETRAIN_DATA_DIR=str(tmp_path / "data"))
+    coord_env.update(IDLETRAIN_HOST="127.0.0.1", IDLETRAIN_PORT=str(port), IDLETRAIN_DATA_DIR=str(tmp_path / "data"),
+                     IDLETRAIN_CORPUS_DIRS=str(corpus_dir))  # the tiny corpus below in place of the built-in one
     healthcheck = last(chain(dockerfile[1], "coordinator"), "HEALTHCHECK")
     probe = ["/bin/sh", "-c", re.match(r"(--\S+\s+)*CMD\s+(.*)", healthcheck)[2]]
     compose_probe = [a.replace(":8000/", f":{port}/") for a in services["coordinator"]["healthcheck"]["test"][1:]]
