@@ -103,7 +103,9 @@ DELIVERED_OF = select(DeltaRecord.id, DeltaRecord.seq, DeltaRecord.sha256).where
     DeltaRecord.lease_id == bindparam("lease"))
 # Only one delivery per lease: a second (the same upload racing itself, maybe in another process)
 # waits for the first's row lock and then finds the lease delivered (no row).
-LEASE_DELIVERED = update(Lease).where(Lease.id == bindparam("lease"), Lease.state != "delivered").values(
+# a lease given up (abandoned) delivers nothing: its shard may be someone else's by now
+LEASE_DELIVERED = update(Lease).where(Lease.id == bindparam("lease"),
+                                      Lease.state.not_in(("delivered", "abandoned"))).values(
     state="delivered").returning(Lease.deadline)
 # A later lease on the same shard that is live or delivered: the shard was re-issued after this lease
 # (lease ids only grow), so this lease, expired, may no longer deliver it

@@ -142,6 +142,40 @@ def test_an_expired_lease_whose_shard_was_reissued_cannot_deliver(api, run, make
         assert s.query(Shard).filter_by(index=redo.shard_id).one().times_trained == 1
 
 
+def test_a_lease_given_up_while_its_delta_uploads_cannot_deliver(api, run, make_delta, monkeypatch):
+    """A lease given up (the worker took a newer one without keeping it) between the upload's checks and
+    its acknowledgement delivers nothing: 410, no delta row, no staged file, its shard left to whoever
+    holds it now. Before, the acknowledgement marked any lease but a delivered one delivered."""
+    from sqlalchemy import update
+
+    from coordinator.models import DeltaRecord
+
+    headers = api.register()
+    lease = api.lease(headers)
+    coord = api.coordinator
+    ack = coord._ack
+
+    def given_up_meanwhile(c, lease_id, *args, **kwargs):
+        with coord.engine.begin() as other:  # another request of the worker gives the lease up
+            other.execute(update(Lease).where(Lease.id == lease_id).values(state="abandoned"))
+        return ack(c, lease_id, *args, **kwargs)
+
+    monkeypatch.setattr(coord, "_ack", given_up_meanwhile)
+    resp = api.upload(lease.lease_id, make_delta(lease), headers)
+    assert resp.status_code == 410, resp.text
+    assert "given up" in resp.json()["detail"]
+    monkeypatch.undo()
+    assert api.drain() == 0 and api.status()["version"] == 0
+    with coord.sessions() as s:
+        assert s.query(DeltaRecord).filter_by(lease_id=lease.lease_id).count() == 0
+    assert _lease_states(api)[lease.lease_id] == "abandoned"
+    assert not list(coord.storage.staged_deltas(lease_id_run(api)))
+
+
+def lease_id_run(api) -> int:
+    return api.runtime().run_id
+
+
 def test_a_delta_beyond_max_staleness_is_refused(api, run_config, make_delta):
     api.create_run(run_config(outer={"max_staleness": 1}))
     slow, fast = api.register(), api.register()
