@@ -165,6 +165,7 @@ class Merger:
                 # merging resumes on its own once the disk has room; the fence in _commit keeps any
                 # delta from being merged twice.
                 self._behind.add(rt.run_id)
+                rt.ahead = True  # exchanges refuse this object from now on (a reload replaces it)
                 try:
                     self._reload(rt.run_id)
                 except Exception:

@@ -104,6 +104,10 @@ class RunRuntime:
             steps=inner.steps, lr=inner.lr,
             fraction=comp.fraction if comp.index != "dense" and comp.error_feedback else 1.0)
         self._eval_tokens: torch.Tensor | None = None
+        # True once a merge step moved these weights past what the database committed and failed (the
+        # merger then reloads the run into a new object): exchanges must not fold into it meanwhile, or
+        # they would be recorded after a version the database never reached
+        self.ahead = False
         self.lock = threading.Lock()  # held while the state changes or is read (evaluation, snapshot, checkpoint)
         # the last snapshot this process wrote: its version (None: not known yet, ask the database),
         # how long it took and when it ended (time.monotonic()): see snapshot_allowed

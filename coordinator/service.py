@@ -29,8 +29,8 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from coordinator import corpora, credit, limits, queries, scheduler, timing, trust
 from coordinator.db import init_db, make_engine, make_sessionmaker
-from coordinator.errors import (Conflict, Forbidden, Gone, NotFound, RunUnrecoverable, ServiceError, TooManyRequests,
-                                Unauthorized, Unavailable, Unprocessable)
+from coordinator.errors import (DISK_FULL_RETRY_S, Conflict, Forbidden, Gone, NotFound, RunUnrecoverable, ServiceError,
+                                TooManyRequests, Unauthorized, Unavailable, Unprocessable)
 from coordinator.leader import Leadership
 from coordinator.models import (DeltaRecord, EvalResult, Exchange, Lease, ModelVersion, Refusal, Run, Shard, Worker,
                                 utcnow)
@@ -325,12 +325,14 @@ class Coordinator:
                    "the checkpoints, then start again")
             log.error("%s", msg)
             raise RunUnrecoverable(msg)
-        if rt is None:
+        fresh = rt is None
+        if fresh:
             log.warning("run %s: no usable checkpoint; replaying from version 0", run.name)
             rt = RunRuntime.fresh(run_id=run.id, config=cfg, storage=self.storage)
             self._calibrate(rt)  # as create_run did: the replay takes the same decisions
         deltas, exchanges = self._replay(rt, run.version)
-        calibrated = rt.reference_norm is None  # a checkpoint from before the reference round: the replay had none
+        # a checkpoint from before the reference round: the replay had none (a fresh one tried already)
+        calibrated = not fresh and rt.reference_norm is None
         if calibrated:
             self._calibrate(rt)
         # Loading needs no writes: a coordinator restarted on a full disk comes up (reads served, writes
@@ -926,9 +928,12 @@ class Coordinator:
         with timing.phase("lock"):
             delivered = c.execute(queries.LEASE_DELIVERED, {"lease": lease_id}).first()
             if delivered is None:
-                c.rollback()  # the same upload raced itself; the first one won
-                prior = c.execute(queries.DELIVERED_OF, {"lease": lease_id}).one()
+                c.rollback()  # the same upload raced itself and the first one won, or the lease was given up
+                prior = c.execute(queries.DELIVERED_OF, {"lease": lease_id}).first()
                 c.rollback()
+                if prior is None:  # given up since the upload's checks (the worker took a newer lease)
+                    staged.unlink(missing_ok=True)
+                    raise _Refused(Gone(f"lease {lease_id} was given up when this worker took a newer lease"), None)
                 if prior.sha256 != digest:
                     staged.unlink(missing_ok=True)  # ours alone: the delivered delta's file has another name
                     raise Conflict(f"lease {lease_id} already delivered a different delta")
@@ -1020,6 +1025,9 @@ class Coordinator:
             # Keep the centre's values at the exchanged indices and the screen's exchange norms, so a
             # failure below can put them back: a refused exchange changes nothing. (An exchange of
             # another worker between the screen and here moved the centre by a bounded step only.)
+            if rt.ahead:  # a failed merge step left it ahead of the database; the merger reloads the run
+                raise Unavailable("the coordinator is recovering from a failed merge (its disk may be full); retry",
+                                  retry_after=DISK_FULL_RETRY_S)
             before, norms_before = rt.centre_at(sent), rt.exchange_norms.copy()
             try:
                 answer = codec.encode(rt.exchange(sent, worker=worker.id))

@@ -69,7 +69,8 @@ def shape_mismatch(entries: Sequence[tuple[str, IndexKind, ValueKind, int, int, 
     kind is not held to cfg.values: a wider one costs its sender bytes, and changes nothing else.
     Without this, one value of 1e-7 in a 71-byte delta was a round's work, and earned its credit."""
     names = [e[0] for e in entries]
-    missing = [n for n in schema if n not in set(names)]
+    sent = set(names)
+    missing = [n for n in schema if n not in sent]
     if missing:
         return (f"a round's delta carries every tensor of the model ({len(schema)}); this one has {len(names)}, "
                 f"missing {missing[:3]}{' ...' if len(missing) > 3 else ''}")

@@ -486,3 +486,21 @@ def test_an_honest_exchange_passes_the_screen_and_is_remembered(api):
 def _worker_of(api, lease_id: int) -> int:
     with api.coordinator.sessions() as s:
         return s.get(Lease, lease_id).worker_id
+
+
+def test_no_exchange_folds_into_a_model_ahead_of_the_database(api):
+    """A merge step that failed to commit (a full disk) leaves the live model ahead of the database until
+    the merger reloads the run; an exchange meanwhile would be recorded after a version the database
+    never reached, and a restart would replay it onto another model. It is answered 503 + Retry-After
+    and changes nothing; the reloaded model takes it."""
+    headers = api.register("s")
+    lease = api.lease(headers, run="s")
+    body = codec.encode(sent_for(lease, EVERY, worker_values(api, "s", seed=1)))
+    api.runtime("s").ahead = True  # what Merger.step marks when its commit fails
+    before = observe(api)
+    resp = post_exchange(api, lease.lease_id, EVERY, body, headers)
+    assert resp.status_code == 503 and int(resp.headers["Retry-After"]) >= 1, resp.text
+    assert "retry" in resp.json()["detail"]
+    assert_same(before, observe(api))
+    api.coordinator.reload_run(api.runtime("s").run_id)  # what the merger does next
+    assert post_exchange(api, lease.lease_id, EVERY, body, headers).status_code == 200
