@@ -48,6 +48,7 @@ from shared.codec.indices import IndexKind
 from shared.codec.values import ValueKind
 from shared.config import CompressionConfig, RunConfig
 from shared.model import ModelConfig, build_model, param_schema
+from tests import procs
 
 API = protocol.API_PREFIX
 
@@ -126,6 +127,11 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
     if reason:
         terminalreporter.write_sep("!", "PostgreSQL tests SKIPPED", red=True, bold=True)
         terminalreporter.write_line(f"{reason}; start it (see .ci/run) to test the PostgreSQL backend", red=True)
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    # every process a test started (tests/procs.py) and did not stop, with its children: none outlives the suite
+    procs.kill_leftovers()
 
 
 def _skip_reason(report) -> str:

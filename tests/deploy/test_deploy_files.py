@@ -40,6 +40,7 @@ from coordinator import admin, hosts
 from coordinator.settings import CoordinatorSettings
 from idletrain.cli import RUN_FLAGS, build_parser, build_run_config
 from idletrain.demo import free_port, wait_healthy
+from tests import procs
 from tests.conftest import fresh_database, postgres_reason
 from worker.settings import WorkerSettings, default_state_dir
 
@@ -659,7 +660,7 @@ def _compose_against_a_real_coordinator(services, dockerfile, corpus_dir, tmp_pa
 
     assert health(probe) != 0, "the health check passes with no coordinator"
     with open(tmp_path / "coordinator.log", "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "idletrain", "--log-level", "WARNING", "coordinator", "serve"],
+        proc = procs.popen([sys.executable, "-m", "idletrain", "--log-level", "WARNING", "coordinator", "serve"],
                                 env=base | coord_env, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT)
         try:
             with httpx.Client(base_url=url, timeout=120) as client:
@@ -687,10 +688,4 @@ def _compose_against_a_real_coordinator(services, dockerfile, corpus_dir, tmp_pa
                 cfg = client.get(f"/api/v1/runs/{runs[0]['name']}/config").json()
                 assert cfg["outer"]["group"] == len(workers(services))
         finally:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=10)
+            procs.stop(proc, signal.SIGINT)

@@ -23,7 +23,8 @@ from idletrain.demo import free_port, wait_healthy
 from shared import protocol
 from shared.config import CompressionConfig, InnerConfig
 from shared.model import ModelConfig, build_model, get_params
-from tests.test_loopback import admin_headers, wait_merged
+from tests import procs
+from tests.procs import admin_headers, wait_merged
 from worker import distributed
 from worker.trainer import LocalTrainer, RoundSuspended
 
@@ -206,7 +207,7 @@ def test_a_torchrun_worker_of_two_processes_trains_against_a_coordinator(tmp_pat
     url = f"http://127.0.0.1:{port}"
     coord_log, worker_log = tmp_path / "coordinator.log", tmp_path / "worker.log"
     with open(coord_log, "w") as clog:
-        coord = subprocess.Popen([sys.executable, "-m", "idletrain", "--log-level", "WARNING", "coordinator", "serve",
+        coord = procs.popen([sys.executable, "-m", "idletrain", "--log-level", "WARNING", "coordinator", "serve",
                                   "--host", "127.0.0.1", "--port", str(port), "--data-dir", str(tmp_path / "data"),
                                   "--corpus-dir", str(corpus_dir)],
                                  env=_env(), cwd=tmp_path, stdout=clog, stderr=subprocess.STDOUT)
@@ -226,7 +227,7 @@ def test_a_torchrun_worker_of_two_processes_trains_against_a_coordinator(tmp_pat
 
             # `-m --`: without the `--` torchrun takes the worker's `--run` for an abbreviation of its `--run-path`
             with open(worker_log, "w") as wlog:
-                worker = subprocess.Popen(
+                worker = procs.popen(
                     [str(TORCHRUN), "--nnodes", "1", "--nproc-per-node", str(WORLD), "--master-addr", "127.0.0.1",
                      "--master-port", str(free_port()), "-m", "--", "idletrain", "--log-level", "INFO", "worker", "run",
                      "--coordinator", url, "--run", "dist", "--max-rounds", str(ROUNDS), "--threads", "1",
@@ -247,12 +248,7 @@ def test_a_torchrun_worker_of_two_processes_trains_against_a_coordinator(tmp_pat
             assert st["workers_total"] == 1  # one worker to the coordinator: only rank 0 registered
             assert st["tokens_trained"] == ROUNDS * STEPS * BATCH * CONTEXT  # the batch counted once
     finally:
-        for proc in (worker, coord):
-            if proc is not None and proc.poll() is None:
-                proc.send_signal(signal.SIGINT if proc is coord else signal.SIGKILL)
-                try:
-                    proc.wait(timeout=20)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait(timeout=10)
+        for proc in (worker, coord):  # torchrun's ranks are its children: stop() ends its whole group
+            if proc is not None:
+                procs.stop(proc, signal.SIGINT if proc is coord else signal.SIGKILL)
 

@@ -3,69 +3,20 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 
-from idletrain.demo import free_port, wait_healthy
+from idletrain.demo import free_port
+from tests import procs
 
 ROUNDS = 4  # per worker
 WORKERS = 2
 STEPS, BATCH, CONTEXT = 20, 8, 32
-
-
-def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("IDLETRAIN_")}
-    env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-    return env
-
-
-def _tail(path: Path, n: int = 3000) -> str:
-    try:
-        return path.read_text()[-n:]
-    except OSError:
-        return "(no log)"
-
-
-def admin_headers(data_dir: Path) -> dict[str, str]:
-    """The operator's Authorization header for a `serve` started on `data_dir` without a token: the
-    one it generated there (written before it listens, so once it answers /healthz)."""
-    return {"Authorization": f"Bearer {(data_dir / 'admin_token').read_text().strip()}"}
-
-
-def _wait_healthy(client: httpx.Client, proc: subprocess.Popen, log: Path, timeout_s: float = 60) -> None:
-    try:
-        wait_healthy(client, proc, timeout_s)
-    except RuntimeError as exc:
-        pytest.fail(f"{exc}:\n{_tail(log)}")
-
-
-def wait_merged(client: httpx.Client, run: str, version: int, *, log: Path | None = None,
-                timeout_s: float = 60) -> dict:
-    """Wait until the run has merged everything queued and reached `version`; its status."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        st = client.get(f"/api/v1/runs/{run}/status").json()
-        if st["pending_deltas"] == 0 and st["version"] >= version:
-            return st
-        assert time.monotonic() < deadline, f"merger did not catch up: {st}" + (f"\n{_tail(log)}" if log else "")
-        time.sleep(0.2)
-
-
-def _stop(proc: subprocess.Popen, sig: int) -> None:
-    if proc.poll() is None:
-        proc.send_signal(sig)
-    try:
-        proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(timeout=10)
 
 
 @pytest.mark.slow
@@ -74,23 +25,23 @@ def test_two_workers_train_a_model_over_loopback(tmp_path: Path, corpus_dir: Pat
     url = f"http://127.0.0.1:{port}"
     logs = tmp_path / "logs"
     logs.mkdir()
-    procs: list[subprocess.Popen] = []
+    started: list[subprocess.Popen] = []
     files = []
 
     def spawn(name: str, *args: str) -> subprocess.Popen:
         out = open(logs / f"{name}.log", "w")
         files.append(out)
-        proc = subprocess.Popen([sys.executable, "-m", "idletrain", *args], env=_env(), cwd=tmp_path,
+        proc = procs.popen([sys.executable, "-m", "idletrain", *args], env=procs.env(), cwd=tmp_path,
                                 stdout=out, stderr=subprocess.STDOUT)
-        procs.append(proc)
+        started.append(proc)
         return proc
 
     try:
         coord = spawn("coordinator", "--log-level", "WARNING", "coordinator", "serve", "--host", "127.0.0.1",
                       "--port", str(port), "--data-dir", str(tmp_path / "data"), "--corpus-dir", str(corpus_dir))
         with httpx.Client(base_url=url, timeout=120) as client:
-            _wait_healthy(client, coord, logs / "coordinator.log")
-            client.headers.update(admin_headers(tmp_path / "data"))  # this client is the operator's only
+            procs.wait_healthy(client, coord, logs / "coordinator.log")
+            client.headers.update(procs.admin_headers(tmp_path / "data"))  # this client is the operator's only
             created = client.post("/api/v1/runs", json={
                 "name": "loop", "corpus": str(corpus_dir), "shard_tokens": 4096, "eval_tokens": 4096,
                 "eval_every": 2, "model": {"n_layer": 1, "d_model": 32, "n_head": 2, "context": CONTEXT},
@@ -109,14 +60,14 @@ def test_two_workers_train_a_model_over_loopback(tmp_path: Path, corpus_dir: Pat
                 try:
                     code = proc.wait(timeout=120)
                 except subprocess.TimeoutExpired:
-                    pytest.fail(f"worker {i} did not finish {ROUNDS} rounds:\n{_tail(logs / f'worker{i}.log')}")
+                    pytest.fail(f"worker {i} did not finish {ROUNDS} rounds:\n{procs.tail(logs / f'worker{i}.log')}")
                 log = (logs / f"worker{i}.log").read_text()
                 assert code == 0, f"worker {i} exited {code}:\n{log[-3000:]}"
                 assert f"worker done: {ROUNDS} rounds delivered" in log, log[-3000:]
                 assert (tmp_path / f"worker{i}" / "tokens.json").exists()
 
             acknowledged = WORKERS * ROUNDS
-            st = wait_merged(client, "loop", acknowledged, log=logs / "coordinator.log")
+            st = procs.wait_merged(client, "loop", acknowledged, log=logs / "coordinator.log")
 
             final = client.post("/api/v1/runs/loop/evaluate")
             assert final.status_code == 200, final.text
@@ -132,11 +83,11 @@ def test_two_workers_train_a_model_over_loopback(tmp_path: Path, corpus_dir: Pat
             loss_end = final.json()["loss"]
             assert final.json()["version"] == acknowledged
             assert loss_end < loss0 - 1.0, (loss0, [e["loss"] for e in st["eval_history"]], loss_end)
-            assert coord.poll() is None, _tail(logs / "coordinator.log")
+            assert coord.poll() is None, procs.tail(logs / "coordinator.log")
     finally:
-        for proc in procs[1:]:
-            _stop(proc, signal.SIGKILL)
-        if procs:
-            _stop(procs[0], signal.SIGINT)
+        for proc in started[1:]:
+            procs.stop(proc, signal.SIGKILL)
+        if started:
+            procs.stop(started[0], signal.SIGINT)
         for f in files:
             f.close()

@@ -26,7 +26,7 @@ from shared.config import RunConfig
 from shared.model import ModelConfig, build_model, param_schema
 from shared.snapshot import decode_snapshot
 from tests.coordinator.test_merger import assert_same, replay
-from tests.test_loopback import _env, _stop, _tail, _wait_healthy, admin_headers
+from tests import procs
 from worker.client import CoordinatorClient, CoordinatorError
 
 KILLS = 4
@@ -91,9 +91,9 @@ class UploadingWorker(threading.Thread):
 
 def _serve(data_dir: Path, port: int, log: Path, db_url: str | None, corpus_dir: Path) -> subprocess.Popen:
     db = ["--database-url", db_url] if db_url else []
-    return subprocess.Popen([sys.executable, "-m", "idletrain", "coordinator", "serve", "--port", str(port),
+    return procs.popen([sys.executable, "-m", "idletrain", "coordinator", "serve", "--port", str(port),
                              "--data-dir", str(data_dir), "--corpus-dir", str(corpus_dir), *db],
-                            stdout=log.open("ab"), stderr=subprocess.STDOUT, env=_env())
+                            stdout=log.open("ab"), stderr=subprocess.STDOUT, env=procs.env())
 
 
 @pytest.mark.slow
@@ -113,9 +113,9 @@ def test_sigkill_at_random_moments_loses_and_doubles_nothing(tmp_path: Path, cor
     http = httpx.Client(base_url=url, timeout=30)
     workers: list[UploadingWorker] = []
     try:
-        _wait_healthy(http, proc, log)
+        procs.wait_healthy(http, proc, log)
         assert http.post(f"{protocol.API_PREFIX}/runs", json=cfg.model_dump(mode="json"),
-                         headers=admin_headers(data_dir)).status_code == 201
+                         headers=procs.admin_headers(data_dir)).status_code == 201
         tokens = [http.post(f"{protocol.API_PREFIX}/runs/crash/workers", json={}).json()["token"]
                   for _ in range(WORKERS)]
         acks: dict[int, tuple[bytes, int, int]] = {}
@@ -136,7 +136,7 @@ def test_sigkill_at_random_moments_loses_and_doubles_nothing(tmp_path: Path, cor
             with lock:
                 acked_at_kill.append(len(acks))
             proc = _serve(data_dir, port, log, db_url, corpus_dir)
-            _wait_healthy(http, proc, log)
+            procs.wait_healthy(http, proc, log)
         deadline = time.monotonic() + 120
         while len(acks) < acked_at_kill[-1] + AFTER_LAST and not stop.is_set() and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -151,13 +151,13 @@ def test_sigkill_at_random_moments_loses_and_doubles_nothing(tmp_path: Path, cor
 
         assert_merged_exactly_once(http, "crash", acks, cfg, db_url or f"sqlite:///{data_dir / 'idletrain.sqlite3'}")
     except BaseException:
-        print(_tail(log, 6000))
+        print(procs.tail(log, 6000))
         raise
     finally:
         for w in workers:
             w.stop.set()
         http.close()
-        _stop(proc, signal.SIGTERM)
+        procs.stop(proc, signal.SIGTERM)
 
 
 def assert_merged_exactly_once(http: httpx.Client, run: str, acks: dict[int, tuple[bytes, int, int]], cfg: RunConfig,

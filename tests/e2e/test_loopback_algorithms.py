@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from idletrain.demo import free_port
-from tests.test_loopback import _env, _stop, _tail, _wait_healthy, admin_headers, wait_merged
+from tests import procs
 
 ROUNDS = 3  # per worker
 WORKERS = 2
@@ -32,16 +32,16 @@ class Loopback:
     def spawn(self, name: str, *args: str) -> subprocess.Popen:
         out = open(self.logs / f"{name}.log", "w")
         self._files.append(out)
-        proc = subprocess.Popen([sys.executable, "-m", "idletrain", *args], env=_env(), cwd=self.root,
+        proc = procs.popen([sys.executable, "-m", "idletrain", *args], env=procs.env(), cwd=self.root,
                                 stdout=out, stderr=subprocess.STDOUT)
         self.procs.append(proc)
         return proc
 
     def close(self) -> None:
         for proc in self.procs[1:]:
-            _stop(proc, signal.SIGKILL)
+            procs.stop(proc, signal.SIGKILL)
         if self.procs:
-            _stop(self.procs[0], signal.SIGINT)
+            procs.stop(self.procs[0], signal.SIGINT)
         for f in self._files:
             f.close()
 
@@ -54,8 +54,8 @@ def loopback(tmp_path_factory, corpus_dir) -> Iterator[tuple[Loopback, httpx.Cli
                          "--port", lb.url.rsplit(":", 1)[1], "--data-dir", str(lb.root / "data"),
                          "--corpus-dir", str(corpus_dir))
         with httpx.Client(base_url=lb.url, timeout=120) as client:
-            _wait_healthy(client, coord, lb.logs / "coordinator.log")
-            client.headers.update(admin_headers(lb.root / "data"))  # this client is the operator's only
+            procs.wait_healthy(client, coord, lb.logs / "coordinator.log")
+            client.headers.update(procs.admin_headers(lb.root / "data"))  # this client is the operator's only
             yield lb, client
     finally:
         lb.close()
@@ -87,14 +87,14 @@ def test_two_workers_train_each_algorithm_over_loopback(loopback, corpus_dir: Pa
         try:
             code = proc.wait(timeout=120)
         except subprocess.TimeoutExpired:
-            pytest.fail(f"worker {i} did not finish {ROUNDS} rounds:\n{_tail(path)}")
+            pytest.fail(f"worker {i} did not finish {ROUNDS} rounds:\n{procs.tail(path)}")
         log = path.read_text()
         assert code == 0, f"worker {i} exited {code}:\n{log[-3000:]}"
         assert f"worker done: {ROUNDS} rounds delivered" in log, log[-3000:]
         logs.append(log)
 
     acknowledged = WORKERS * ROUNDS
-    st = wait_merged(client, run, acknowledged, log=coord_log)
+    st = procs.wait_merged(client, run, acknowledged, log=coord_log)
 
     final = client.post(f"/api/v1/runs/{run}/evaluate")
     assert final.status_code == 200, final.text
@@ -117,4 +117,4 @@ def test_two_workers_train_each_algorithm_over_loopback(loopback, corpus_dir: Pa
     print(algorithm, "eval losses", [(e["version"], round(e["loss"], 3)) for e in st["eval_history"]],
           "final", round(final.json()["loss"], 3), "exchanges", st["exchanges"])
     assert final.json()["loss"] < loss0, (loss0, [e["loss"] for e in st["eval_history"]], final.json())
-    assert lb.procs[0].poll() is None, _tail(coord_log)
+    assert lb.procs[0].poll() is None, procs.tail(coord_log)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
 import struct
 import subprocess
 import threading
@@ -29,6 +30,7 @@ from idletrain.demo import free_port
 from shared import codec, protocol
 from shared.algorithms.compress import compress
 from shared.model import ModelConfig, build_model, param_schema
+from tests import procs
 from worker.client import CoordinatorClient
 
 API = protocol.API_PREFIX
@@ -69,7 +71,14 @@ def browse(url: str, profile: Path, *args: str) -> subprocess.CompletedProcess:
     cmd = [chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
            "--disable-background-networking", "--no-first-run", "--hide-scrollbars", f"--user-data-dir={profile}",
            "--virtual-time-budget=8000", *args, url]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    # chromium starts helpers (zygote, renderer, gpu) of its own: in a process group of its own, all of
+    # them are killed with it whether it exits, hangs past the timeout or the test is interrupted
+    proc = procs.popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = proc.communicate(timeout=120)
+    finally:
+        procs.stop(proc, signal.SIGKILL)
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def png_size(path: Path) -> tuple[int, int]:

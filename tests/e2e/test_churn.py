@@ -21,7 +21,7 @@ from sqlalchemy.orm import Session
 
 from coordinator.models import DeltaRecord, Lease, Shard, Worker
 from idletrain.demo import free_port
-from tests.test_loopback import _env, _stop, _tail, _wait_healthy, admin_headers
+from tests import procs
 from worker.state import StateStore, decode_state, decode_unsent
 
 SEED = 20240607
@@ -85,8 +85,8 @@ def test_workers_killed_and_restarted_at_random_still_train_every_shard(tmp_path
         out = open(log, "w")
         files.append(out)
         # no worker.toml of this machine's user: an isolated config dir
-        env = {**_env(), "XDG_CONFIG_HOME": str(tmp_path / "config")}
-        proc = subprocess.Popen([sys.executable, "-m", "idletrain", *args], env=env, cwd=tmp_path,
+        env = {**procs.env(), "XDG_CONFIG_HOME": str(tmp_path / "config")}
+        proc = procs.popen([sys.executable, "-m", "idletrain", *args], env=env, cwd=tmp_path,
                                 stdout=out, stderr=subprocess.STDOUT)
         all_procs.append(proc)
         return proc
@@ -118,8 +118,8 @@ def test_workers_killed_and_restarted_at_random_still_train_every_shard(tmp_path
     engine = None
     http = httpx.Client(base_url=url, timeout=60)
     try:
-        _wait_healthy(http, coord, coord_log)
-        http.headers.update(admin_headers(data_dir))  # this client is the operator's only
+        procs.wait_healthy(http, coord, coord_log)
+        http.headers.update(procs.admin_headers(data_dir))  # this client is the operator's only
         created = http.post(f"{API}/runs", json={
             "name": RUN, "corpus": str(corpus_dir), "corpus_max_bytes": 1 << 18, "shard_tokens": 1900,
             "eval_tokens": 4096, "eval_every": 4, "lease_ttl_s": TTL_S,
@@ -190,9 +190,9 @@ def test_workers_killed_and_restarted_at_random_still_train_every_shard(tmp_path
         paused = None
         st = status()
         while True:
-            assert coord.poll() is None, f"the coordinator died:\n{_tail(coord_log)}"
+            assert coord.poll() is None, f"the coordinator died:\n{procs.tail(coord_log)}"
             for i, proc in workers.items():
-                assert proc.poll() is None, f"worker {i} exited {proc.returncode}:\n{_tail(current_log(i))}"
+                assert proc.poll() is None, f"worker {i} exited {proc.returncode}:\n{procs.tail(current_log(i))}"
             st = status()
             recorded = st["merged_deltas"] + st["pending_deltas"] + st["rejected_deltas"]
             if plan and recorded >= plan[0][0] and open_lease(plan[0][1]) is not None:
@@ -230,11 +230,11 @@ def test_workers_killed_and_restarted_at_random_still_train_every_shard(tmp_path
             try:
                 code = proc.wait(timeout=40)
             except subprocess.TimeoutExpired:
-                pytest.fail(f"worker {i} ignored SIGTERM:\n{_tail(current_log(i))}")
-            assert code == 0, (i, code, _tail(current_log(i)))
+                pytest.fail(f"worker {i} ignored SIGTERM:\n{procs.tail(current_log(i))}")
+            assert code == 0, (i, code, procs.tail(current_log(i)))
         deadline = time.monotonic() + 60
         while (st := status())["pending_deltas"]:
-            assert time.monotonic() < deadline, f"merger did not catch up: {st}\n{_tail(coord_log)}"
+            assert time.monotonic() < deadline, f"merger did not catch up: {st}\n{procs.tail(coord_log)}"
             time.sleep(0.2)
         final = http.post(f"{API}/runs/{RUN}/evaluate")
         assert final.status_code == 200, final.text
@@ -247,7 +247,7 @@ def test_workers_killed_and_restarted_at_random_still_train_every_shard(tmp_path
                 open_leases = s.scalar(select(func.count()).select_from(Lease).where(Lease.state == "active"))
             if not open_leases:
                 break
-            assert time.monotonic() < deadline, f"{open_leases} leases never expired\n{_tail(coord_log)}"
+            assert time.monotonic() < deadline, f"{open_leases} leases never expired\n{procs.tail(coord_log)}"
             time.sleep(0.3)
 
         with Session(engine) as s:
@@ -345,19 +345,19 @@ def test_workers_killed_and_restarted_at_random_still_train_every_shard(tmp_path
         raised = {log.name: _exceptions(log.read_text()) for log in sorted(logs.glob("*.log"))}
         print("exceptions logged:", {k: v for k, v in raised.items() if v})
         assert all(e.startswith("starlette.requests.ClientDisconnect") for e in raised.pop(coord_log.name)), \
-            _tail(coord_log, 6000)
+            procs.tail(coord_log, 6000)
         assert not any(raised.values()), raised
     except BaseException:
-        print(f"\n--- coordinator.log ---\n{_tail(coord_log, 4000)}")
+        print(f"\n--- coordinator.log ---\n{procs.tail(coord_log, 4000)}")
         for log in sorted(logs.glob("w*.log")):
-            print(f"\n--- {log.name} ---\n{_tail(log, 1500)}")
+            print(f"\n--- {log.name} ---\n{procs.tail(log, 1500)}")
         raise
     finally:
         http.close()
         if engine is not None:
             engine.dispose()
         for proc in all_procs[1:]:
-            _stop(proc, signal.SIGTERM)
-        _stop(coord, signal.SIGTERM)
+            procs.stop(proc, signal.SIGTERM)
+        procs.stop(coord, signal.SIGTERM)
         for f in files:
             f.close()

@@ -28,7 +28,7 @@ from idletrain.demo import free_port
 from shared import codec, protocol
 from shared.algorithms.compress import compress
 from shared.model import ModelConfig, build_model, param_schema
-from tests.test_loopback import _env, _stop, _tail, _wait_healthy, admin_headers
+from tests import procs
 
 SITE = Path(__file__).resolve().parents[1] / "deploy" / "nginx" / "idletrain.conf"
 NGINX = shutil.which("nginx") or next(
@@ -93,7 +93,7 @@ def test_nginx_caches_snapshots_and_updates_for_a_herd_of_workers(tmp_path: Path
     site.write_text(render_site(coord_port, nginx_port, root))
     conf.write_text(main_conf(root, site))
     coord_log, nginx_out = tmp_path / "coordinator.log", tmp_path / "nginx.out"
-    procs: list[subprocess.Popen] = []
+    spawned: list[subprocess.Popen] = []
     files = []
     t0 = time.monotonic()
     try:
@@ -102,26 +102,26 @@ def test_nginx_caches_snapshots_and_updates_for_a_herd_of_workers(tmp_path: Path
         assert checked.returncode == 0, f"nginx -t refused the rendered {SITE}:\n{checked.stderr}\n{site.read_text()}"
 
         files.append(coord_log.open("wb"))  # DEBUG: uvicorn's access log, one line per request that reached it
-        coord = subprocess.Popen([sys.executable, "-m", "idletrain", "--log-level", "DEBUG", "coordinator", "serve",
+        coord = procs.popen([sys.executable, "-m", "idletrain", "--log-level", "DEBUG", "coordinator", "serve",
                                   "--host", "127.0.0.1", "--port", str(coord_port),
                                   "--data-dir", str(tmp_path / "data"), "--corpus-dir", str(corpus_dir)],
-                                 env=_env(), cwd=tmp_path, stdout=files[-1], stderr=subprocess.STDOUT)
-        procs.append(coord)
+                                 env=procs.env(), cwd=tmp_path, stdout=files[-1], stderr=subprocess.STDOUT)
+        spawned.append(coord)
         files.append(nginx_out.open("wb"))
-        nginx = subprocess.Popen([NGINX, "-c", str(conf), "-p", str(root), "-g", "daemon off;"],
+        nginx = procs.popen([NGINX, "-c", str(conf), "-p", str(root), "-g", "daemon off;"],
                                  stdout=files[-1], stderr=subprocess.STDOUT)
-        procs.append(nginx)
+        spawned.append(nginx)
 
         direct = httpx.Client(base_url=f"http://127.0.0.1:{coord_port}", timeout=60)
         front = httpx.Client(base_url=f"http://127.0.0.1:{nginx_port}", timeout=60,
                              limits=httpx.Limits(max_connections=100, max_keepalive_connections=100))
-        _wait_healthy(direct, coord, coord_log)
-        _wait_healthy(front, nginx, root / "error.log", timeout_s=20)  # /healthz through nginx
+        procs.wait_healthy(direct, coord, coord_log)
+        procs.wait_healthy(front, nginx, root / "error.log", timeout_s=20)  # /healthz through nginx
         started = time.monotonic()
 
         # A run with a version per delta; the run, the worker and every upload go through nginx.
         # the operator's run creation goes through nginx too: the token is what guards it
-        created = front.post(f"{protocol.API_PREFIX}/runs", headers=admin_headers(tmp_path / "data"), json={
+        created = front.post(f"{protocol.API_PREFIX}/runs", headers=procs.admin_headers(tmp_path / "data"), json={
             "name": RUN, "corpus": str(corpus_dir), "corpus_max_bytes": 1 << 18, "shard_tokens": 4096,
             "eval_tokens": 4096, "model": {"n_layer": 1, "n_head": 2, "d_model": 32, "context": 32},
             "inner": {"steps": 3, "batch_size": 2}, "outer": {"group": 1},
@@ -144,7 +144,7 @@ def test_nginx_caches_snapshots_and_updates_for_a_herd_of_workers(tmp_path: Path
             return direct.get(f"{P}/status").json()["bytes_down_model"]
 
         def upstream_gets(path: str) -> int:  # requests for `path` that reached the coordinator
-            return _tail(coord_log, 10**9).count(f'"GET {path} HTTP/1.1" ')
+            return procs.tail(coord_log, 10**9).count(f'"GET {path} HTTP/1.1" ')
 
         herd_pool = ThreadPoolExecutor(max_workers=HERD * len(versions))
         auth = {"Authorization": f"Bearer {token}"}  # as workers send it; the snapshots are public anyway
@@ -240,12 +240,12 @@ def test_nginx_caches_snapshots_and_updates_for_a_herd_of_workers(tmp_path: Path
         direct.close()
         front.close()
     except BaseException:
-        print(f"--- nginx error log ---\n{_tail(root / 'error.log', 6000)}\n--- nginx stdout/stderr ---\n"
-              f"{_tail(nginx_out)}\n--- nginx access log ---\n{_tail(root / 'access.log', 4000)}\n"
-              f"--- coordinator log ---\n{_tail(coord_log, 6000)}")
+        print(f"--- nginx error log ---\n{procs.tail(root / 'error.log', 6000)}\n--- nginx stdout/stderr ---\n"
+              f"{procs.tail(nginx_out)}\n--- nginx access log ---\n{procs.tail(root / 'access.log', 4000)}\n"
+              f"--- coordinator log ---\n{procs.tail(coord_log, 6000)}")
         raise
     finally:
-        for proc in reversed(procs):  # nginx first (SIGTERM: fast shutdown), then the coordinator
-            _stop(proc, signal.SIGTERM)
+        for proc in reversed(spawned):  # nginx first (SIGTERM: fast shutdown), then the coordinator
+            procs.stop(proc, signal.SIGTERM)
         for f in files:
             f.close()

@@ -31,8 +31,8 @@ from shared.algorithms.sparta import exchange_seed, select as sparta_select
 from shared.config import RunConfig
 from shared.model import build_model, get_params, param_schema
 from tests.conftest import fresh_database
-from tests.test_crash import UploadingWorker, assert_merged_exactly_once
-from tests.test_loopback import _env, _stop, _tail, _wait_healthy, admin_headers
+from tests.e2e.test_crash import UploadingWorker, assert_merged_exactly_once
+from tests import procs
 
 OWN_DB_BACKENDS = True  # PostgreSQL only: SQLite serves one process
 API = protocol.API_PREFIX
@@ -77,16 +77,16 @@ def test_processes_share_one_merger_and_take_over_when_it_dies(tmp_path: Path, c
     with fresh_database("postgresql") as db_url:
         port, data_dir, log = free_port(), tmp_path / "coord", tmp_path / "coordinator.log"
         url = f"http://127.0.0.1:{port}"
-        proc = subprocess.Popen([sys.executable, "-m", "idletrain", "coordinator", "serve", "--port", str(port),
+        proc = procs.popen([sys.executable, "-m", "idletrain", "coordinator", "serve", "--port", str(port),
                                  "--data-dir", str(data_dir), "--database-url", db_url,
                                  "--processes", str(PROCESSES), "--corpus-dir", str(corpus_dir)],
                                 stdout=log.open("ab"), stderr=subprocess.STDOUT,
                                 # 24 workers register from one address at once: above the default burst
-                                env={**_env(), "IDLETRAIN_REGISTER_BURST": "32"})
+                                env={**procs.env(), "IDLETRAIN_REGISTER_BURST": "32"})
         http = httpx.Client(base_url=url, timeout=30)
         workers: list[UploadingWorker] = []
         try:
-            _wait_healthy(http, proc, log)
+            procs.wait_healthy(http, proc, log)
             cfg = RunConfig.model_validate({
                 "name": "crash", "corpus": str(corpus_dir), "corpus_max_bytes": 1 << 18, "shard_tokens": 1024,
                 "eval_tokens": 4096, "eval_every": 3,
@@ -96,7 +96,7 @@ def test_processes_share_one_merger_and_take_over_when_it_dies(tmp_path: Path, c
                 # merged exactly once is checked against a replay of the merge rule alone (test_crash's
                 # check): no ramp for new workers, and random deltas are not refused for their direction
                 "robust": {"ramp": 1, "min_agreement": -1.0}})
-            admin = admin_headers(data_dir)
+            admin = procs.admin_headers(data_dir)
             assert http.post(f"{API}/runs", json=cfg.model_dump(mode="json"), headers=admin).status_code == 201
             first = _leader(data_dir)
             assert _lock_holders(db_url) == 1
@@ -163,10 +163,10 @@ def test_processes_share_one_merger_and_take_over_when_it_dies(tmp_path: Path, c
             engine.dispose()
             assert n_exchanges == sp.inner.steps // sp.sparta.every
         except BaseException:
-            print(_tail(log, 8000))
+            print(procs.tail(log, 8000))
             raise
         finally:
             for w in workers:
                 w.stop.set()
             http.close()
-            _stop(proc, signal.SIGTERM)
+            procs.stop(proc, signal.SIGTERM)

@@ -1,0 +1,107 @@
+"""Real processes for the tests that cross a socket: `python -m idletrain ...`, nginx, a browser.
+
+Every process a test starts goes through `popen`, which puts it in a session (process group) of its
+own and remembers it, so that:
+    stop(proc, sig)   signals the process, waits, then kills whatever is left of its group: the API
+                      processes of `serve --processes N`, a worker's children — nothing outlives it;
+    kill_leftovers()  (the suite's conftest calls it when the session ends) kills every group a test
+                      started and did not stop, also when the test was interrupted.
+
+    env()             the environment of a spawned process: no IDLETRAIN_* of the caller's, one thread
+    tail(path)        the end of a log, for a failure message
+    admin_headers     the operator's Authorization header for a `serve` on a data dir
+    wait_healthy      until a started coordinator answers /healthz (the test fails with its log if not)
+    wait_merged       until a run has merged all it acknowledged and reached a version
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from idletrain.demo import wait_healthy as _wait_healthy_or_raise
+
+_started: list[subprocess.Popen] = []
+
+
+def popen(argv: list[str], **kwargs) -> subprocess.Popen:
+    """subprocess.Popen in a process group of its own, remembered until the session ends."""
+    proc = subprocess.Popen(argv, start_new_session=True, **kwargs)
+    _started.append(proc)
+    return proc
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # the group's id is the leader's pid (start_new_session)
+    except (ProcessLookupError, PermissionError):
+        pass  # nothing of the group is left
+
+
+def stop(proc: subprocess.Popen, sig: int) -> None:
+    """Send `sig` to the process, give it 20 s to exit, then kill it and every process of its group."""
+    if proc.poll() is None:
+        proc.send_signal(sig)
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=10)
+    _kill_group(proc)
+
+
+def kill_leftovers() -> int:
+    """Kill the group of every process a test started; how many leaders were still running."""
+    alive = 0
+    for proc in _started:
+        if proc.poll() is None:
+            alive += 1
+            proc.kill()
+            proc.wait(timeout=10)
+        _kill_group(proc)
+    _started.clear()
+    return alive
+
+
+def env() -> dict[str, str]:
+    out = {k: v for k, v in os.environ.items() if not k.startswith("IDLETRAIN_")}
+    out.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    return out
+
+
+def tail(path: Path, n: int = 3000) -> str:
+    try:
+        return path.read_text()[-n:]
+    except OSError:
+        return "(no log)"
+
+
+def admin_headers(data_dir: Path) -> dict[str, str]:
+    """The operator's Authorization header for a `serve` started on `data_dir` without a token: the
+    one it generated there (written before it listens, so once it answers /healthz)."""
+    return {"Authorization": f"Bearer {(data_dir / 'admin_token').read_text().strip()}"}
+
+
+def wait_healthy(client: httpx.Client, proc: subprocess.Popen, log: Path, timeout_s: float = 60) -> None:
+    try:
+        _wait_healthy_or_raise(client, proc, timeout_s)
+    except RuntimeError as exc:
+        pytest.fail(f"{exc}:\n{tail(log)}")
+
+
+def wait_merged(client: httpx.Client, run: str, version: int, *, log: Path | None = None,
+                timeout_s: float = 60) -> dict:
+    """Wait until the run has merged everything queued and reached `version`; its status."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        st = client.get(f"/api/v1/runs/{run}/status").json()
+        if st["pending_deltas"] == 0 and st["version"] >= version:
+            return st
+        assert time.monotonic() < deadline, f"merger did not catch up: {st}" + (f"\n{tail(log)}" if log else "")
+        time.sleep(0.2)
