@@ -34,7 +34,7 @@ from tests import procs
 from worker.client import CoordinatorClient
 
 API = protocol.API_PREFIX
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 WORKERS = ({"name": "ada", "team": "blue", "device": "cuda"}, {"name": "grace", "team": "blue", "device": "mps"},
            {"device": "cpu"})
 ROUNDS = 2  # per worker; the model is evaluated after every merged delta

@@ -30,7 +30,7 @@ from shared.algorithms.compress import compress
 from shared.model import ModelConfig, build_model, param_schema
 from tests import procs
 
-SITE = Path(__file__).resolve().parents[1] / "deploy" / "nginx" / "idletrain.conf"
+SITE = Path(__file__).resolve().parents[2] / "deploy" / "nginx" / "idletrain.conf"
 NGINX = shutil.which("nginx") or next(
     (p for p in ("/usr/sbin/nginx", "/usr/local/sbin/nginx") if os.access(p, os.X_OK)), None)  # sbin: not on PATH
 RUN = "cache"
