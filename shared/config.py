@@ -10,6 +10,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from shared.algorithms.registry import AlgorithmName
 from shared.data import BUILTIN
 from shared.model import ModelConfig
 
@@ -149,7 +150,7 @@ class SpartaConfig(_Strict):
 
 class RunConfig(_Strict):
     name: str = Field(pattern=NAME_PATTERN)
-    algorithm: Literal["diloco", "sparta", "sparta+diloco"] = Field(
+    algorithm: AlgorithmName = Field(
         "diloco", description="diloco: H local steps, then a compressed pseudo-gradient merged with outer "
                               "Nesterov; sparta: local steps with sparse exchanges every `sparta.every` steps, "
                               "no pseudo-gradient; sparta+diloco: both")

@@ -3,7 +3,7 @@
 The built-in corpus is the running Python's own standard-library sources: present on every
 machine with Python, so nothing is ever downloaded. Files are ordered by the SHA-256 of their
 relative path (a fixed shuffle, so a size cap still samples the whole library) and every 20th
-file is held out for evaluation, as in the published SPARTA measurements (ANCHORS.md).
+file is held out for evaluation, as in the published SPARTA measurements (docs/references.md).
 A run may point at the operator's own text file or folder instead.
 """
 

@@ -16,7 +16,7 @@ def atomic_write(path: Path, data: bytes | memoryview | Sequence[bytes | memoryv
     """Temp file, fsync, rename, fsync of the folder: a crash leaves the old file or the new one.
 
     `data` is one buffer or several written back to back (a large file in parts, so it is never
-    joined into one more copy: joining holds the GIL for the whole copy, ~0.6 s per 1.5 GB). A
+    joined into one more copy: joining holds the GIL for the whole copy). A
     large file (a 124M model's snapshot is ~460 MB, its checkpoint ~1.5 GB) is synced every
     SYNC_CHUNK bytes as it is written: the kernel then never holds gigabytes of it unwritten, which
     every other fsync on the disk (each acknowledged delta's) would otherwise wait behind."""

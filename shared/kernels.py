@@ -3,22 +3,21 @@
 - `first_distinct_sorted`: the SEEDED index set of a sparse tensor (4k <= numel): the first k
   distinct values of splitmix64(seed) mod numel, sorted. Specified by `codec.indices.seeded_indices`;
   here one pass over the stream with a hash set, a 64-bit remainder by multiply-high instead of a
-  division, and a counting sort (the values are uniform over [0, numel)). At 124M parameters and
-  p = 0.1% (148 tensors, 124,503 indices): 3.4-4.8 ms against 11.3-11.7 ms for the vectorised numpy
-  form it replaced (one process, interleaved, median of 31; a two-level bucket sort and an
-  order-preserving hash table measured within that spread and were left out).
+  division, and a counting sort (the values are uniform over [0, numel)): several times faster
+  than the vectorised numpy form (bench/merge.py times both); a two-level bucket sort and an
+  order-preserving hash table measured no faster and were left out.
 - `unpack_packed`: the bit-packed indices of every PACKED (top-k) entry of a delta in one pass,
   checked (in range, strictly increasing) as the numpy path checks them.
 - `scatter_pair`: t[idx] += a * v and m[idx] += b * v in one loop (a momentum step's two writes),
   float32 arithmetic exactly as `torch.Tensor.index_add_(..., alpha=)` does it, element after element.
 
-numba is imported and the kernels compiled on first use (0.3 s to import, about 2 s to compile, or
-a fraction of that from the cache it keeps under __pycache__), so processes that never merge or
-draw indices pay nothing. Without numba (`HAVE_NUMBA` False: a platform without its wheels, or
-IDLETRAIN_NUMBA=0 in the environment), or with one that fails to compile or to pass `ready()`'s
-self-check (logged once), the callers keep their numpy/torch paths, which compute the same results;
-the tests run both, and `idletrain bench merge` times both side by side. A process that wants the
-compilation out of the way (the coordinator, at start) calls `ready()` early.
+numba is imported and the kernels compiled on first use (seconds; less from the cache numba keeps
+under __pycache__), so processes that never merge or draw indices pay nothing. Without numba
+(`HAVE_NUMBA` False: a platform without its wheels, or IDLETRAIN_NUMBA=0 in the environment), or
+with one that fails to compile or to pass `ready()`'s self-check (logged once), the callers keep
+their numpy/torch paths, which compute the same results; the tests run both, and bench/merge.py
+times both side by side. A process that wants the compilation out of the way (the coordinator, at
+start) calls `ready()` early.
 """
 
 from __future__ import annotations
@@ -31,7 +30,6 @@ import threading
 from collections.abc import Iterator
 
 import numpy as np
-import torch
 
 log = logging.getLogger(__name__)
 
@@ -49,9 +47,10 @@ def disabled() -> Iterator[None]:
         HAVE_NUMBA = before
 
 
-_GAMMA = 0x9E3779B97F4A7C15
-_M1 = 0xBF58476D1CE4E5B9
-_M2 = 0x94D049BB133111EB
+# SplitMix64's constants (Steele et al. 2014), one definition: codec.indices' numpy form uses them too
+SPLITMIX_GAMMA = 0x9E3779B97F4A7C15
+SPLITMIX_M1 = 0xBF58476D1CE4E5B9
+SPLITMIX_M2 = 0x94D049BB133111EB
 _LO32 = 0xFFFFFFFF
 
 
@@ -72,7 +71,7 @@ def _mulhi64(a, b):
 def _first_distinct_sorted(seeds, numels, ks, offsets, out, table, counts, tmp):
     """For each tensor i: out[pos:pos+k_i] = offsets[i] + the first k_i distinct values of
     splitmix64(seeds[i]) mod numels[i], ascending (pos = sum of the earlier k). Sparse tensors only."""
-    gamma, m1, m2 = np.uint64(_GAMMA), np.uint64(_M1), np.uint64(_M2)
+    gamma, m1, m2 = np.uint64(SPLITMIX_GAMMA), np.uint64(SPLITMIX_M1), np.uint64(SPLITMIX_M2)
     pos = 0
     for i in range(ks.size):
         k = ks[i]
@@ -224,7 +223,7 @@ def _compile() -> None:
 
     g = globals()
     # helpers first: the kernels that call them must see the compiled versions
-    # nogil: a kernel runs for milliseconds (a group's scatter ~20 ms at 124M), and the merging
+    # nogil: a kernel runs for milliseconds (a group's scatter on a large model), and the merging
     # process's request threads must not wait for it, as they do not for torch's own ops
     g["_mulhi64"] = numba.njit(cache=True, nogil=True, inline="always")(g["_mulhi64"])
     _compiled["first_distinct_sorted"] = numba.njit(cache=True, nogil=True)(_first_distinct_sorted)

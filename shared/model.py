@@ -1,7 +1,7 @@
 """The model every worker trains: a small decoder-only transformer over bytes.
 
 Sized by default (3 layers, width 128, context 128: about 0.64M parameters) to train usefully
-on one CPU core, the same shape as the public SPARTA/DiLoCo measurements in ANCHORS.md.
+on one CPU core, the same shape as the public SPARTA/DiLoCo measurements in docs/references.md.
 """
 
 from __future__ import annotations
@@ -151,7 +151,7 @@ def param_schema(model: nn.Module) -> dict[str, tuple[int, ...]]:
 
 
 def get_params(model: nn.Module) -> dict[str, torch.Tensor]:
-    """A detached fp32 CPU copy of the parameters (never an alias: see ANCHORS.md)."""
+    """A detached fp32 CPU copy of the parameters (never an alias: see docs/references.md)."""
     return {name: p.detach().to("cpu", torch.float32, copy=True) for name, p in model.named_parameters()}
 
 

@@ -3,10 +3,12 @@ any incompatible change; the coordinator reports it at /healthz and workers chec
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from datetime import datetime
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from shared.algorithms.registry import NAMES, AlgorithmName
 from shared.config import NAME_PATTERN, CompressionConfig, InnerConfig, RunConfig, SpartaConfig
 from shared.model import ModelConfig
 
@@ -72,25 +74,36 @@ class Lease(_Body):
     lr: float = Field(ge=0, le=1.0, description="inner learning rate for this round (already scheduled)")
     inner: InnerConfig
     compression: CompressionConfig
-    model: dict = Field(description="ModelConfig.to_dict(); checked here (keys, types, ranges, at most "
-                                    "shared.model.MAX_PARAMS parameters), sized against its own cap by the worker")
+    model: ModelConfig = Field(description="the run's ModelConfig (on the wire: ModelConfig.to_dict()); checked here "
+                                           "(keys, types, ranges, at most shared.model.MAX_PARAMS parameters), sized "
+                                           "against its own cap by the worker")
     deadline: datetime
-    algorithm: str = Field("diloco", description="the run's algorithm (RunConfig.algorithm): diloco, sparta or "
-                                                 "sparta+diloco; a worker refuses one it does not know")
+    algorithm: AlgorithmName = Field("diloco", description="the run's algorithm (RunConfig.algorithm): diloco, sparta "
+                                                           "or sparta+diloco; a worker refuses one it does not know")
     sparta: SpartaConfig = Field(default_factory=SpartaConfig,
-                                 description="exchange settings; used when `algorithm` contains sparta")
+                                 description="exchange settings; used when the algorithm exchanges "
+                                             "(shared/algorithms/registry.py)")
     init_seed: int | None = Field(None, ge=0, le=MAX_ID,
                                   description="the run's seed: version 0 is the model built from it, so a "
                                               "worker can make it and only check its hash (If-None-Match) "
                                               "instead of downloading it; absent from older coordinators")
 
-    @field_validator("model")
+    @field_validator("model", mode="before")
     @classmethod
-    def _model_config(cls, v: dict) -> dict:
+    def _model_config(cls, v):
+        if not isinstance(v, Mapping):
+            return v  # a ModelConfig already (anything else is refused as not one)
         try:
-            ModelConfig.from_dict(v)  # arithmetic only: nothing is built or allocated
+            return ModelConfig.from_dict(v)  # arithmetic only: nothing is built or allocated
         except (TypeError, ValueError) as exc:
             raise ValueError(f"not a valid model config: {exc}") from None
+
+    @field_validator("algorithm", mode="before")
+    @classmethod
+    def _known_algorithm(cls, v):
+        if isinstance(v, str) and v not in NAMES:  # a newer coordinator's: say what to do about it
+            raise ValueError(f"this worker does not know the algorithm {v!r} (it knows {', '.join(NAMES)}): "
+                             "upgrade idletrain")
         return v
 
 
@@ -136,7 +149,7 @@ class WorkerInfo(_Body):
 class RunStatus(_Body):
     name: str = Field(pattern=NAME_PATTERN)
     state: str
-    algorithm: str
+    algorithm: AlgorithmName
     version: int
     merged_deltas: int
     pending_deltas: int
@@ -213,7 +226,7 @@ class Dashboard(_Body):
 
     name: str
     state: str
-    algorithm: str
+    algorithm: AlgorithmName
     version: int
     n_params: int
     tokens_trained: int

@@ -32,13 +32,13 @@ def run_snapshot_parts(flat: torch.Tensor, shapes: Mapping[str, tuple[int, ...]]
     return encode_snapshot_flat_parts(flat, shapes, metadata=snapshot_metadata(run, version, model))
 
 
-def version_zero(run: str, model: Mapping, seed: int) -> tuple[dict[str, torch.Tensor], str]:
+def version_zero(run: str, model: ModelConfig, seed: int) -> tuple[dict[str, torch.Tensor], str]:
     """(weights, sha256 of the snapshot bytes) of a run's version 0, built here from the run's seed:
     the same bytes as the coordinator's snapshot 0 (the same model and run_snapshot_parts)."""
-    params = get_params(build_model(ModelConfig.from_dict(model), seed=seed))
+    params = get_params(build_model(model, seed=seed))
     flat = torch.cat([t.reshape(-1) for t in params.values()])
     parts = run_snapshot_parts(flat, {n: tuple(t.shape) for n, t in params.items()}, run=run, version=0,
-                               model=model)
+                               model=model.to_dict())
     return params, parts_sha256(parts)
 
 
@@ -69,7 +69,7 @@ def encode_snapshot_flat_parts(flat: torch.Tensor, shapes: Mapping[str, tuple[in
                                metadata: Mapping[str, str] | None = None, level: int = 3) -> list[bytes]:
     """encode_snapshot_flat's bytes as the compressor's pieces, to hash and write one after another
     (shared.files.atomic_write takes them): joining them is one more copy of the whole snapshot,
-    made holding the GIL (~0.2 s at 124M params, a pause for every request the process serves)."""
+    made holding the GIL (a pause for every request the process serves)."""
     if flat.dtype != torch.float32 or flat.dim() != 1 or not flat.is_contiguous():
         raise ValueError("flat weights must be one contiguous fp32 vector")
     numel = sum(int(torch.Size(s).numel()) for s in shapes.values())
@@ -121,9 +121,9 @@ def safetensors_parts(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str
                       ) -> list[bytes | memoryview]:
     """The safetensors file of `tensors` (CPU) as parts to write back to back: the header, then each
     tensor's own memory, not copied. safetensors.torch.save builds the whole file in one new buffer
-    while holding the GIL (~0.7 s of a 1.5 GB checkpoint, a pause for every request the process
-    serves); this copies nothing. safetensors.torch.load reads the parts joined. Tensors are laid
-    out in the order given, widest elements first, so each starts aligned to its element size."""
+    while holding the GIL (a pause for every request the process serves); this copies nothing.
+    safetensors.torch.load reads the parts joined. Tensors are laid out in the order given, widest
+    elements first, so each starts aligned to its element size."""
     if np.little_endian is False:  # safetensors is little-endian; a big-endian host takes the slow way
         return [safetensors.torch.save(dict(tensors), metadata=dict(metadata) if metadata else None)]
     order = sorted(tensors, key=lambda name: -tensors[name].element_size())  # stable: same width keeps its order
@@ -214,7 +214,7 @@ def decode_snapshot(buf: bytes, *, schema: Mapping[str, tuple[int, ...]] | None 
 
 def _all_finite(t: torch.Tensor) -> bool:
     """No NaN or Inf in t: its min and max are finite exactly then (NaN propagates through both).
-    One pass without a mask: 15 ms for 38.6M floats against 290 ms for isfinite(t).all()."""
+    One pass without a mask, many times faster than isfinite(t).all() on a large tensor."""
     if t.numel() == 0:
         return True
     lo, hi = torch.aminmax(t)

@@ -1,8 +1,12 @@
 """The math of a round, with no I/O (serves the worker, the coordinator and the simulator).
 
-    inner.py     local AdamW steps, lr schedule, pseudo-gradient (snapshot - local)
-    compress.py  sparsify (top-k or seeded random), quantise, error feedback
-    outer.py     the merge rule: staleness weight, outer Nesterov step, delayed momentum
-    robust.py    screening before the merge: norm bound, median clip/reject, direction check
-    sparta.py    sparse elastic exchanges with the global model
+    registry.py    the algorithms (diloco, sparta, sparta+diloco): what a round starts from, what it
+                   ends with, whether it exchanges; ALGORITHMS[cfg.algorithm] instead of name tests
+    inner.py       local AdamW steps, lr schedule, pseudo-gradient (snapshot - local)
+    compress.py    sparsify (top-k or seeded random), quantise, error feedback
+    outer.py       the merge rule: staleness weight, outer Nesterov step, delayed momentum
+    flat_outer.py  the same rule on one flat vector, its momentum step lazy (the coordinator's form)
+    robust.py      screening before the merge: norm bound, median clip/reject, direction check
+    sparta.py      sparse elastic exchanges with the global model
+    sync.py        incremental model downloads: the int8 change between two versions
 """

@@ -41,6 +41,7 @@ the same decisions.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 from collections.abc import Mapping, Sequence
 
@@ -56,6 +57,20 @@ PER_WORKER = 8  # norms of a worker's recent deltas (or exchanges) kept: its own
 EARLY_SHARE = 0.5
 
 
+class Rejection(str, enum.Enum):
+    """Why a delta was rejected, as a bounded label (the coordinator's metrics); `reason` says the rest.
+    stale and unreadable are the coordinator's own (coordinator/runtime.py), the others the screen's."""
+
+    STALE = "stale"
+    UNREADABLE = "unreadable"
+    NONFINITE = "nonfinite"
+    BOUND = "bound"  # beyond what a round of AdamW steps (or the reference round) can move
+    SMALL = "small"
+    NORM = "norm"  # far above the recent median
+    DIRECTION = "direction"  # against, or not along, the consensus
+    OTHER = "other"
+
+
 @dataclasses.dataclass(frozen=True)
 class Verdict:
     action: str  # accept | clip | reject
@@ -63,6 +78,7 @@ class Verdict:
     norm: float
     cosine: float | None  # None while there is no consensus direction yet
     reason: str | None
+    rejection: Rejection | None = None  # set when rejected
 
     @property
     def merged(self) -> bool:
@@ -215,29 +231,34 @@ def decide(norm: float, cosine: float | None, *, history: Sequence[float] | Norm
     """screen's decision from a delta's (norm, cosine) and its largest |value| `peak`: see
     delta_stats / flat_delta_stats / max_abs. `history`: Norms, or a plain list of norms (each
     counted as its own worker)."""
-    def reject(reason: str) -> Verdict:
-        return Verdict("reject", 0.0, norm, cosine, reason)
+    def reject(why: Rejection, reason: str) -> Verdict:
+        return Verdict("reject", 0.0, norm, cosine, reason, why)
 
     if not math.isfinite(norm) or (peak is not None and not math.isfinite(peak)):
-        return reject("its norm is not finite")
+        return reject(Rejection.NONFINITE, "its norm is not finite")
     if not cfg.enabled:
         return Verdict("accept", 1.0, norm, cosine, None)
     if elements is not None and peak is not None and cfg.element_factor > 0 and peak > cfg.element_factor * elements:
-        return reject(f"a value of {peak:.4g} is {peak / elements:.1f}x what a round of AdamW steps moves one "
+        return reject(Rejection.BOUND,
+                      f"a value of {peak:.4g} is {peak / elements:.1f}x what a round of AdamW steps moves one "
                       f"element by (limit {cfg.element_factor:g}x)")
     if bound is not None and cfg.bound_factor > 0 and norm > cfg.bound_factor * bound:
-        return reject(f"norm {norm:.4g} is {norm / bound:.1f}x what a round of AdamW steps can move "
+        return reject(Rejection.BOUND,
+                      f"norm {norm:.4g} is {norm / bound:.1f}x what a round of AdamW steps can move "
                       f"(limit {cfg.bound_factor:g}x)")
     if reference_norm and cfg.reference_factor > 0 and norm > cfg.reference_factor * reference_norm:
-        return reject(f"norm {norm:.4g} is {norm / reference_norm:.1f}x the coordinator's own reference round "
+        return reject(Rejection.BOUND,
+                      f"norm {norm:.4g} is {norm / reference_norm:.1f}x the coordinator's own reference round "
                       f"of AdamW steps (limit {cfg.reference_factor:g}x)")
     if norm == 0.0:
-        return reject("too small: all its values are zero, which is no round's work")
+        return reject(Rejection.SMALL, "too small: all its values are zero, which is no round's work")
     if reference_norm and norm < cfg.min_norm_ratio / 10 * reference_norm:
-        return reject(f"too small: norm {norm:.4g} is {norm / reference_norm:.2g}x the coordinator's own reference "
+        return reject(Rejection.SMALL,
+                      f"too small: norm {norm:.4g} is {norm / reference_norm:.2g}x the coordinator's own reference "
                       f"round, which is no round's work (limit {cfg.min_norm_ratio / 10:g}x)")
     if cosine is not None and cosine < cfg.min_cosine:
-        return reject(f"points against the recent consensus (cosine {cosine:.3f} < {cfg.min_cosine:g})")
+        return reject(Rejection.DIRECTION,
+                      f"points against the recent consensus (cosine {cosine:.3f} < {cfg.min_cosine:g})")
     norms = _as_norms(history, cfg)
     median, n_workers = norms.median()
     if len(norms) < cfg.min_history or n_workers < cfg.min_workers or median <= 0:
@@ -245,19 +266,23 @@ def decide(norm: float, cosine: float | None, *, history: Sequence[float] | Norm
         # the reference), and a delta above it must agree with the consensus, as above the median later.
         early = EARLY_SHARE * reference_norm if reference_norm else None
         if early is not None and norm > early and cosine is not None and cosine < cfg.min_agreement:
-            return reject(f"does not agree with the consensus: norm {norm:.4g} is {norm / reference_norm:.2f}x the "
+            return reject(Rejection.DIRECTION,
+                          f"does not agree with the consensus: norm {norm:.4g} is {norm / reference_norm:.2f}x the "
                           f"coordinator's own reference round with cosine {cosine:.3f} (at least "
                           f"{cfg.min_agreement:g} needed above {EARLY_SHARE:g}x while fewer than {cfg.min_workers} "
                           "workers' norms are known)")
         return Verdict("accept", 1.0, norm, cosine, None)
     if norm < cfg.min_norm_ratio * median:
-        return reject(f"too small: norm {norm:.4g} is {norm / median:.2g}x the recent median {median:.4g} of "
+        return reject(Rejection.SMALL,
+                      f"too small: norm {norm:.4g} is {norm / median:.2g}x the recent median {median:.4g} of "
                       f"{n_workers} workers, which is no round's work (limit {cfg.min_norm_ratio:g}x)")
     if norm > cfg.reject_factor * median:
-        return reject(f"norm {norm:.4g} is {norm / median:.1f}x the recent median {median:.4g} of {n_workers} "
+        return reject(Rejection.NORM,
+                      f"norm {norm:.4g} is {norm / median:.1f}x the recent median {median:.4g} of {n_workers} "
                       f"workers (limit {cfg.reject_factor:g}x)")
     if norm > median and cosine is not None and cosine < cfg.min_agreement:
-        return reject(f"does not agree with the consensus: norm {norm:.4g} is {norm / median:.1f}x the workers' "
+        return reject(Rejection.DIRECTION,
+                      f"does not agree with the consensus: norm {norm:.4g} is {norm / median:.1f}x the workers' "
                       f"median with cosine {cosine:.3f} (at least {cfg.min_agreement:g} needed above the median)")
     if norm > cfg.clip_factor * median:
         scale = cfg.clip_factor * median / norm
@@ -289,20 +314,22 @@ def exchange_element_bound(*, steps: int, lr: float) -> float:
 def decide_exchange(norm: float, peak: float, *, history: Norms, cfg: RobustConfig, elements: float) -> Verdict:
     """An exchange's verdict: accept or reject (an exchange is never clipped: its values are the
     worker's weights, and the answer must be the correction to exactly them)."""
-    def reject(reason: str) -> Verdict:
-        return Verdict("reject", 0.0, norm, None, reason)
+    def reject(why: Rejection, reason: str) -> Verdict:
+        return Verdict("reject", 0.0, norm, None, reason, why)
 
     if not (math.isfinite(norm) and math.isfinite(peak)):
-        return reject("its distance from the global model is not finite")
+        return reject(Rejection.NONFINITE, "its distance from the global model is not finite")
     if not cfg.enabled:
         return Verdict("accept", 1.0, norm, None, None)
     if cfg.element_factor > 0 and peak > cfg.element_factor * elements:
-        return reject(f"a value is {peak:.4g} from the global model, {peak / elements:.1f}x what the run's AdamW "
+        return reject(Rejection.BOUND,
+                      f"a value is {peak:.4g} from the global model, {peak / elements:.1f}x what the run's AdamW "
                       f"steps so far can move an element apart (limit {cfg.element_factor:g}x)")
     median, n_workers = history.median()
     if len(history) >= cfg.min_history and n_workers >= cfg.min_workers and median > 0 \
             and norm > cfg.reject_factor * median:
-        return reject(f"its distance from the global model, {norm:.4g}, is {norm / median:.1f}x the recent "
+        return reject(Rejection.NORM,
+                      f"its distance from the global model, {norm:.4g}, is {norm / median:.1f}x the recent "
                       f"median {median:.4g} of {n_workers} workers' exchanges (limit {cfg.reject_factor:g}x)")
     return Verdict("accept", 1.0, norm, None, None)
 

@@ -8,7 +8,7 @@ Applying it gives params_b up to int8 rounding (at most max|change| / 254 per bl
 The rounding does not leak into what the worker sends back: its pseudo-gradient is measured
 from the base it actually trained from (base - local), so only the point where it computes
 gradients moves, by a hair. Rounding does add up over a chain of updates, so a worker takes a
-full snapshot again after MAX_HOPS updates in a row (worker/loop.py).
+full snapshot again after MAX_HOPS updates in a row (worker/downloads.py).
 """
 
 from __future__ import annotations

@@ -25,9 +25,7 @@ class IndexKind(enum.IntEnum):
     PACKED = 2
 
 
-_GAMMA = np.uint64(0x9E3779B97F4A7C15)
-_M1 = np.uint64(0xBF58476D1CE4E5B9)
-_M2 = np.uint64(0x94D049BB133111EB)
+_GAMMA, _M1, _M2 = (np.uint64(c) for c in (kernels.SPLITMIX_GAMMA, kernels.SPLITMIX_M1, kernels.SPLITMIX_M2))
 
 
 def splitmix64(seed: int, count: int, start: int = 0) -> np.ndarray:
@@ -38,10 +36,19 @@ def splitmix64(seed: int, count: int, start: int = 0) -> np.ndarray:
     """
     with np.errstate(over="ignore"):
         j = np.arange(start + 1, start + count + 1, dtype=np.uint64)
-        z = np.uint64(seed & 0xFFFFFFFFFFFFFFFF) + j * _GAMMA
-        z = (z ^ (z >> np.uint64(30))) * _M1
-        z = (z ^ (z >> np.uint64(27))) * _M2
-        return z ^ (z >> np.uint64(31))
+        return _finalise(np.uint64(seed & 0xFFFFFFFFFFFFFFFF) + j * _GAMMA)
+
+
+def _finalise(z: np.ndarray) -> np.ndarray:
+    """SplitMix64's output function, in place on a uint64 array of stream states (returns it): the
+    one numpy form of it (kernels._first_distinct_sorted is the compiled one, pinned to it by tests)."""
+    with np.errstate(over="ignore"):
+        z ^= z >> np.uint64(30)
+        z *= _M1
+        z ^= z >> np.uint64(27)
+        z *= _M2
+        z ^= z >> np.uint64(31)
+    return z
 
 
 def seeded_indices(seed: int, numel: int, k: int) -> np.ndarray:
@@ -136,11 +143,7 @@ def _seeded_indices_many_numpy(seeds, numels, ks, offsets=None) -> np.ndarray:
                 z = pos - np.repeat((starts - 1).astype(np.uint64), draws)  # j = 1, 2, ... per tensor
                 z *= _GAMMA
                 z += np.repeat(np.asarray([seeds[i] for i in fi], dtype=np.uint64), draws)
-                z ^= z >> np.uint64(30)
-                z *= _M1
-                z ^= z >> np.uint64(27)
-                z *= _M2
-                z ^= z >> np.uint64(31)
+                _finalise(z)
                 z %= np.repeat(f_numel.astype(np.uint64), draws)
                 z += np.repeat(base.astype(np.uint64), draws)
                 z <<= np.uint64(pos_bits)
@@ -213,7 +216,7 @@ def unpack_indices(buf, *, width: int, k: int) -> np.ndarray:
     return ((word << (bitpos & 7).astype(np.uint64)) >> np.uint64(64 - width)).astype(np.int64)
 
 
-def _bits_for(numel: int) -> int:
+def bits_for(numel: int) -> int:
     return max(1, int(numel - 1).bit_length())
 
 
@@ -271,7 +274,7 @@ class PackedIndices(IndexCodec):
     def encode(self, indices, *, numel, seed):
         if indices is None:
             raise ValueError("a PACKED entry needs its indices")
-        width = _bits_for(numel)
+        width = bits_for(numel)
         idx = np.asarray(indices, dtype=np.uint64)
         # (k, width) bit matrix, most significant bit first, then packed 8 to a byte.
         shifts = np.arange(width - 1, -1, -1, dtype=np.uint64)
@@ -282,7 +285,7 @@ class PackedIndices(IndexCodec):
         if len(buf) < 1:
             raise DeltaFormatError("truncated index width")
         width = buf[0]
-        if width != _bits_for(numel):
+        if width != bits_for(numel):
             raise DeltaMismatchError(f"index width {width} bits does not fit numel {numel}")
         nbytes = (k * width + 7) // 8
         if len(buf) < 1 + nbytes:
@@ -295,7 +298,7 @@ class PackedIndices(IndexCodec):
         return idx, None, 1 + nbytes
 
     def estimate_bytes(self, *, numel, k):
-        return 1 + (k * _bits_for(numel) + 7) // 8
+        return 1 + (k * bits_for(numel) + 7) // 8
 
 
 INDEX_CODECS: dict[IndexKind, IndexCodec] = {c.kind: c for c in (DenseIndices(), SeededIndices(), PackedIndices())}

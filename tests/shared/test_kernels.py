@@ -11,7 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shared import kernels
-from shared.algorithms.outer import FlatOuter, OuterState
+from shared.algorithms.flat_outer import FlatOuter
+from shared.algorithms.outer import OuterState
 from shared.codec import FlatDelta, seeded_indices, seeded_indices_many
 from shared.codec.indices import _seeded_indices_numpy
 from shared.config import OuterConfig

@@ -19,7 +19,7 @@ def lease_body(**over) -> dict:
 
 def test_a_coordinator_lease_validates():
     lease = protocol.Lease.model_validate(lease_body())
-    assert lease.shard_sha256 == "ab" * 32 and lease.model == ModelConfig().to_dict()
+    assert lease.shard_sha256 == "ab" * 32 and lease.model.to_dict() == ModelConfig().to_dict()
     assert protocol.Lease.model_validate(lease.model_dump(mode="json")) == lease
 
 

@@ -1,4 +1,4 @@
-"""The merge rule (shared/algorithms/outer.py), checked against torch's own SGD."""
+"""The merge rule (shared/algorithms/outer.py, and its flat form flat_outer.py), checked against torch's own SGD."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from shared import codec
-from shared.algorithms.outer import FlatOuter, OuterState, apply_delta, lookahead_gain, published, staleness_weight
+from shared.algorithms.flat_outer import FlatOuter
+from shared.algorithms.outer import OuterState, apply_delta, lookahead_gain, published, staleness_weight
 from shared.codec import Delta, Entry, IndexKind, ValueKind
 from shared.config import OuterConfig
 
