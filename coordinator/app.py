@@ -19,15 +19,16 @@ from fastapi import FastAPI
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 from coordinator import admin, hosts, leader, limits, timing
-from coordinator.api import blobs, dashboard, errors, metrics, relay, runs, workers
+from coordinator.api import (dashboard, downloads, errors, exchanges, leases, metrics, relay, reports, runs, uploads,
+                             workers)
 from coordinator.merger import Merger
-from coordinator.service import Coordinator
+from coordinator.services.coordinator import Coordinator
 from coordinator.settings import CoordinatorSettings
 from shared import protocol
 
 log = logging.getLogger(__name__)
 
-# the routes whose bodies are deltas (coordinator/api/workers.py): streamed to disk under max_upload_bytes
+# the routes whose bodies are deltas (coordinator/api/uploads.py, exchanges.py): read under max_upload_bytes
 UPLOAD_PATHS = re.compile(rf"^{re.escape(protocol.API_PREFIX)}/leases/\d+/(delta|exchange)$")
 
 
@@ -37,8 +38,8 @@ class Election:
 
     def __init__(self, app: FastAPI, coord: Coordinator, merger: Merger, *, start_merger: bool) -> None:
         self.app, self.coord, self.merger, self.start_merger = app, coord, merger, start_merger
-        self.leadership = leader.Leadership(coord.engine)
-        coord.leadership = self.leadership
+        self.leadership = leader.Leadership(coord.db.engine)
+        coord.live.leadership = self.leadership
         self.listener: relay.LeaderListener | None = None
         self._published = False  # whether leader.json says where self.listener is
         self._stop = threading.Event()
@@ -49,15 +50,15 @@ class Election:
         if self.leadership.try_take():
             self._lead()
         else:
-            self.coord.leads = False
+            self.coord.live.leads = False
             log.info("process %d serves without the live models; another coordinator process merges", os.getpid())
         self._thread.start()
 
     def _lead(self) -> None:
         coord, settings = self.coord, self.coord.settings
-        coord.drop_runs()
-        coord.load_runs()  # the newest checkpoint + a replay of what the database holds since
-        coord.leads = True
+        coord.live.drop()
+        coord.recovery.load_runs()  # the newest checkpoint + a replay of what the database holds since
+        coord.live.leads = True
         if settings.relay:
             self.listener = relay.LeaderListener(self.app)
             self.listener.start()
@@ -78,9 +79,9 @@ class Election:
                       leader.LEADER_FILE, exc)
 
     def _step_down(self) -> None:
-        self.coord.leads = False
+        self.coord.live.leads = False
         self.merger.stop(checkpoint=False)
-        self.coord.drop_runs()
+        self.coord.live.drop()
         self._close_listener()
         log.error("process %d lost the merger lock; another process will merge", os.getpid())
 
@@ -95,12 +96,12 @@ class Election:
         poll_s = self.coord.settings.leader_poll_s
         while not self._stop.wait(poll_s):
             try:
-                self.coord.flush_traffic()  # every process: the bytes it served (coordinator/traffic.py)
+                self.coord.traffic.flush()  # every process: the bytes it served (coordinator/traffic.py)
                 if self.leadership.held:
                     if not self.leadership.still_held():
                         self._step_down()
                     else:
-                        self.coord.sync_runs()
+                        self.coord.recovery.sync_runs()
                         if self.listener is not None and not self._published:
                             self._publish()
                 elif self.leadership.try_take():
@@ -128,7 +129,7 @@ def create_app(settings: CoordinatorSettings, *, start_merger: bool = True) -> F
         app.state.coordinator, app.state.merger = coord, merger
         election = Election(app, coord, merger, start_merger=start_merger)
         election.start()
-        coord.warm_up()
+        coord.live.warm_up()
         try:
             yield
         finally:
@@ -151,8 +152,12 @@ def create_app(settings: CoordinatorSettings, *, start_merger: bool = True) -> F
         return protocol.Health(keeps_delivering_lease=True)
 
     app.include_router(runs.router)
+    app.include_router(reports.router)
     app.include_router(workers.router)
-    app.include_router(blobs.router)
+    app.include_router(leases.router)
+    app.include_router(uploads.router)
+    app.include_router(exchanges.router)
+    app.include_router(downloads.router)
     app.include_router(dashboard.router)
     app.include_router(metrics.router)
     return app
@@ -170,8 +175,7 @@ class NoDelayHTTP(AutoHTTPProtocol):
     asyncio turns Nagle's algorithm off only on sockets whose `proto` is IPPROTO_TCP. With several
     processes uvicorn binds the listening socket itself as socket.socket(family) (proto 0), so the
     connections it accepts keep Nagle on: a response written as headers then body waits for the
-    client's delayed ACK, ~40 ms on every request (`serve --processes 2`: /healthz 44 ms with httpx,
-    2 ms with one process). `serve` passes this class to uvicorn either way."""
+    client's delayed ACK on every request. `serve` passes this class to uvicorn either way."""
 
     def connection_made(self, transport) -> None:  # type: ignore[override]
         sock = transport.get_extra_info("socket")

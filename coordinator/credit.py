@@ -15,7 +15,7 @@ The formula, in the manner of Folding@home's quick-return bonus (QRB):
 Only deltas the merger accepts earn credit (a delta rejected at upload or at merge earns none; a
 clipped one still earns it in full; a sparta round's empty delta earns it for the share of its
 exchanges it made, `sparta_tokens`), and it is awarded once, in the merger's transaction that
-marks the delta merged (Coordinator.record_merge). Why reward speed: merging is asynchronous, so
+marks the delta merged (WorkerService.record_merge). Why reward speed: merging is asynchronous, so
 a delta that returns quickly lags fewer versions behind the global model and is weighted more
 (staleness weight (1+r)^-0.5); a slow round's tokens still count in full, at bonus 1.
 

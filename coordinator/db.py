@@ -1,11 +1,12 @@
-"""Engine and session factory. Nothing is built at import time: create_app builds them."""
+"""The engine, and Database: how the coordinator reaches it (Core statements of coordinator/queries/
+on a Connection). Nothing is built at import time: the Coordinator builds them."""
 
 from __future__ import annotations
 
 import time
+from contextlib import AbstractContextManager
 
-from sqlalchemy import Engine, create_engine, event, exc
-from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy import Connection, Engine, create_engine, event, exc
 
 # A pooled PostgreSQL connection that sat unused this long is pinged before use (a server restart or
 # an idle timeout may have closed it); busy connections are not: a ping is a round trip per checkout.
@@ -54,13 +55,35 @@ def _ping_when_idle(engine: Engine, idle_s: float) -> None:
             raise
 
 
-def make_sessionmaker(engine: Engine) -> sessionmaker[Session]:
-    return sessionmaker(engine, expire_on_commit=False)
-
-
 def init_db(engine: Engine) -> None:
     """Bring the schema to the newest migration (coordinator/migrations); an empty database gets
     every table, an older one the changes since its revision."""
     from coordinator import migrate
 
     migrate.upgrade(engine)
+
+
+class Database:
+    """The engine (schema brought to the newest migration) and the three ways to a Connection."""
+
+    def __init__(self, url: str) -> None:
+        self.engine: Engine = make_engine(url)
+        init_db(self.engine)
+        # single statements, each its own transaction: no BEGIN or ROLLBACK round trip around a read
+        self._reads = self.engine.execution_options(isolation_level="AUTOCOMMIT")
+        self.skip_locked = self.engine.dialect.name == "postgresql"  # concurrent claims skip each other's rows
+
+    def begin(self) -> AbstractContextManager[Connection]:
+        """One transaction, committed when the block ends (rolled back on an error)."""
+        return self.engine.begin()
+
+    def connect(self) -> AbstractContextManager[Connection]:
+        """A connection whose caller commits or rolls back part way; rolled back when the block ends."""
+        return self.engine.connect()
+
+    def read(self) -> AbstractContextManager[Connection]:
+        """A connection in autocommit: each statement its own transaction (reads, and single writes)."""
+        return self._reads.connect()
+
+    def dispose(self) -> None:
+        self.engine.dispose()

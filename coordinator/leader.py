@@ -20,8 +20,9 @@ import os
 import threading
 from pathlib import Path
 
-from sqlalchemy import Connection, Engine, text
+from sqlalchemy import Connection, Engine
 
+from coordinator.queries import locks
 from shared.files import atomic_write
 
 log = logging.getLogger(__name__)
@@ -53,9 +54,7 @@ class Leadership:
         try:
             if self._conn is None:
                 self._conn = self.engine.connect().execution_options(isolation_level="AUTOCOMMIT")
-            self.held = bool(self._conn.execute(text(
-                "SELECT pg_try_advisory_lock(:cls, hashtext(current_database() || '/' || current_schema()))"),
-                {"cls": LOCK_CLASS}).scalar())
+            self.held = locks.try_session_lock(self._conn, LOCK_CLASS)
         except Exception as exc:  # the database is away: not the leader, ask again later
             log.warning("cannot ask for the merger lock: %s", exc)
             self._drop()
@@ -67,7 +66,7 @@ class Leadership:
             return self.held
         with self._lock:
             try:
-                self._conn.execute(text("SELECT 1"))
+                locks.ping(self._conn)
             except Exception as exc:
                 log.error("the merger lock's connection is gone (%s): this process no longer leads", exc)
                 self._drop()

@@ -6,7 +6,7 @@
     Slots          a blocking semaphore with a deadline: decoding a body (max_validations), 503 past it
 
 Before these, an unauthenticated registration could make the server parse 150 MiB of JSON, and
-30 stalled uploads of one token held 1.8 GB (coordinator/api/workers.py now streams them to disk).
+30 stalled uploads of one token held 1.8 GB (coordinator/api/uploads.py now streams them to disk).
 """
 
 from __future__ import annotations

@@ -11,11 +11,14 @@ import threading
 import time
 from collections.abc import Callable
 
-from sqlalchemy import delete, select, update
-
-from coordinator.models import DeltaRecord, Lease, ModelVersion, Run, utcnow
+from coordinator import checkpoints
+from coordinator.models import utcnow
+from coordinator.queries import deltas as delta_rows
+from coordinator.queries import leases as lease_rows
+from coordinator.queries import runs as run_rows
+from coordinator.queries import versions as version_rows
 from coordinator.runtime import MergeOutcome, RunRuntime
-from coordinator.service import Coordinator
+from coordinator.services.coordinator import Coordinator
 
 log = logging.getLogger(__name__)
 
@@ -48,13 +51,13 @@ class Merger:
         if self._thread is not None:
             self._thread.join(timeout)
             self._thread = None
-        if checkpoint and self.coord.still_leading():
-            for rt in self.coord.runtime_list():
+        if checkpoint and self.coord.live.still_leading():
+            for rt in self.coord.live.runtime_list():
                 if rt.run_id in self._behind:
                     continue  # ahead of the database: the restart rebuilds it from what was committed
                 try:
                     with rt.lock:
-                        rt.write_checkpoint()
+                        checkpoints.write(rt)
                 except OSError:  # a full disk: the restart replays from the last checkpoint, nothing is lost
                     log.exception("run %s: no checkpoint at shutdown", rt.config.name)
 
@@ -63,13 +66,13 @@ class Merger:
         while not self._stop.is_set():
             worked = False
             try:
-                for rt in self.coord.runtime_list():
+                for rt in self.coord.live.runtime_list():
                     worked |= self.step(rt) > 0
                 if time.monotonic() - last_expiry > 1.0:
-                    self.coord.expire_leases()
+                    self.coord.leases.expire()
                     last_expiry = time.monotonic()
                 if not worked:  # idle: what merging held back, or a full disk kept from being written
-                    for rt in self.coord.runtime_list():
+                    for rt in self.coord.live.runtime_list():
                         self.catch_up_snapshot(rt)
                         self.catch_up_checkpoint(rt)
             except Exception as exc:  # the error is visible in logs; try again after a backoff
@@ -89,11 +92,11 @@ class Merger:
         """Idle: write the snapshot of the newest version if merging held it back (snapshot_duty)
         and the duty allows it now. True if one was written."""
         if rt.snapshot_version is None:
-            with self.coord.sessions() as s:
-                rt.snapshot_version = self.coord._newest_snapshot(s, rt.run_id)
+            with self.coord.db.read() as c:
+                rt.snapshot_version = version_rows.newest(c, rt.run_id)
         if rt.version <= rt.snapshot_version or not rt.snapshot_allowed(self.coord.settings.snapshot_duty):
             return False
-        if not self.coord.snapshot_newest(rt):
+        if not self.coord.recovery.snapshot_newest(rt):
             return False
         log.debug("run %s: snapshot of version %d written at idle (%.2f s)", rt.config.name, rt.version,
                   rt.snapshot_cost_s)
@@ -108,15 +111,15 @@ class Merger:
         if kept and rt.version < kept[0][0] + self.coord.settings.checkpoint_every:
             return False
         with rt.lock:  # exchanges (sparta) may be changing the weights meanwhile
-            rt.write_checkpoint()
-        self.coord.prune_history(rt)
+            checkpoints.write(rt)
+        self.coord.recovery.prune_history(rt)
         log.info("run %s: overdue checkpoint of version %d written", rt.config.name, rt.version)
         return True
 
     def drain(self) -> int:
         """Merge everything queued now, synchronously (tests and shutdown use it)."""
         n = 0
-        for rt in self.coord.runtime_list():
+        for rt in self.coord.live.runtime_list():
             while done := self.step(rt):
                 n += done
         return n
@@ -130,12 +133,10 @@ class Merger:
         first (raises while that still fails)."""
         rt = self._current(rt)
         settings, cfg = self.coord.settings, rt.config
-        with self.coord.sessions() as s:
-            rows = s.execute(select(DeltaRecord.seq, DeltaRecord.base_version, DeltaRecord.lease_id,
-                                    DeltaRecord.sha256, DeltaRecord.worker_id).where(
-                DeltaRecord.run_id == rt.run_id, DeltaRecord.seq > rt.version,
-                DeltaRecord.seq <= rt.version + self.BATCH + 1).order_by(DeltaRecord.seq)).all()
-        items: list[tuple[int, int, int]] = []  # (seq, base version, worker): the screen judges each worker's own record
+        with self.coord.db.read() as c:
+            rows = delta_rows.queued(c, rt.run_id, after=rt.version, through=rt.version + self.BATCH + 1)
+        # (seq, base version, worker): the screen judges each worker's own record
+        items: list[tuple[int, int, int]] = []
         for seq, base, lease_id, sha, worker_id in rows[:self.BATCH]:
             if seq != rt.version + 1 + len(items):
                 break  # a gap: the row of the next sequence number is not committed yet
@@ -181,12 +182,12 @@ class Merger:
             elif out.clipped:
                 log.warning("run %s: delta %d %s", cfg.name, out.version, out.reason)
         if last % cfg.eval_every == 0:
-            self.coord.evaluate(rt)
+            self.coord.reports.evaluate(rt)
         if last % settings.checkpoint_every == 0:
             with rt.lock:  # exchanges (sparta) may be changing the weights meanwhile
-                rt.write_checkpoint()
+                checkpoints.write(rt)
             self._gc_snapshots(rt)
-            self.coord.prune_history(rt)
+            self.coord.recovery.prune_history(rt)
         log.debug("merged seq %d..%d in %.1f ms", items[0][0], last, 1000 * (time.perf_counter() - t0))
         return len(outs)
 
@@ -195,56 +196,44 @@ class Merger:
         the coordinator holds now (a reload replaced the object the caller may still hold)."""
         if rt.run_id in self._behind:
             self._reload(rt.run_id)
-        return self.coord.runtimes.get(rt.run_id, rt)
+        current = self.coord.live.get(rt.run_id)
+        return rt if current is None else current
 
     def _reload(self, run_id: int) -> None:
-        self.coord.reload_run(run_id)
+        self.coord.recovery.reload_run(run_id)
         self._behind.discard(run_id)
         log.info("run %d reloaded from its checkpoint and the committed deltas", run_id)
 
     def _commit(self, rt: RunRuntime, outs: list[MergeOutcome]) -> None:
         first, last = outs[0].version, outs[-1].version
-        with self.coord.sessions() as s:
-            recs = {r.seq: r for r in s.scalars(select(DeltaRecord).where(
-                DeltaRecord.run_id == rt.run_id, DeltaRecord.seq >= first, DeltaRecord.seq <= last))}
+        with self.coord.db.begin() as c:
             for out in outs:
-                rec = recs[out.version]
-                rec.outcome = "merged" if out.merged else "rejected"
-                rec.staleness, rec.weight, rec.reason, rec.merged_at = out.staleness, out.weight, out.reason, utcnow()
-                rec.norm, rec.cosine = out.norm, out.cosine
+                delta_rows.record_outcome(c, rt.run_id, out.version, merged=out.merged, staleness=out.staleness,
+                                          weight=out.weight, reason=out.reason, norm=out.norm, cosine=out.cosine,
+                                          at=utcnow())
                 if out.snapshot_sha256:  # versions between snapshots exist only in the merger's memory
-                    s.add(ModelVersion(run_id=rt.run_id, version=out.version, sha256=out.snapshot_sha256,
-                                       size_bytes=out.snapshot_size))
+                    version_rows.record(c, run_id=rt.run_id, version=out.version, sha256=out.snapshot_sha256,
+                                        size=out.snapshot_size)
             # Fenced: the version moves only from the one this batch followed. A process that lost the
             # merger lock without knowing it yet cannot merge a delta twice.
-            moved = s.execute(update(Run).where(Run.id == rt.run_id, Run.version == first - 1)
-                              .values(version=last)).rowcount
-            if not moved:
+            if not run_rows.advance_version(c, rt.run_id, first=first, last=last):
                 raise RuntimeError(f"run {rt.config.name}: version {first - 1} is no longer the newest; "
                                    "another coordinator process merged it")
-            s.flush()
             for out in outs:  # in order: each worker's standing sees its deltas one by one
-                self.coord.record_merge(s, recs[out.version], rt.config)
-                s.flush()
-            s.commit()
+                self.coord.workers.record_merge(c, rt.run_id, out.version, rt.config)
 
     def _gc_snapshots(self, rt: RunRuntime) -> None:
-        """Keep the newest versions and any a live lease still points at; older files go."""
+        """Keep the newest versions and any a live lease still points at; older snapshots and the model
+        updates from them go."""
         settings = self.coord.settings  # keep about snapshot_keep snapshots, however far apart they are
         keep_from = rt.version - settings.snapshot_keep * settings.snapshot_every + 1
-        with self.coord.sessions() as s:
-            leased = set(s.scalars(select(Lease.base_version).where(Lease.run_id == rt.run_id,
-                                                                     Lease.state == "active")))
-            old = s.scalars(select(ModelVersion.version).where(ModelVersion.run_id == rt.run_id,
-                                                               ModelVersion.version < keep_from)).all()
-            doomed = [v for v in old if v not in leased and v != 0]
+        with self.coord.db.begin() as c:
+            leased = lease_rows.live_base_versions(c, rt.run_id)
+            doomed = [v for v in version_rows.older_than(c, rt.run_id, keep_from) if v not in leased and v != 0]
             for v in doomed:
-                rt.storage.snapshot(rt.run_id, v).unlink(missing_ok=True)
-            for path in rt.storage.update(rt.run_id, 0, 0).parent.glob("*.delta"):
-                start, _, _ = path.stem.partition("-")  # updates from a version that is gone go too
-                if start.isdigit() and int(start) < keep_from and int(start) not in leased:
-                    path.unlink(missing_ok=True)
+                rt.storage.delete(rt.storage.snapshot(rt.run_id, v))
+            for start, name in rt.storage.list_updates(rt.run_id):  # updates from a version that is gone go too
+                if start < keep_from and start not in leased:
+                    rt.storage.delete(name)
             if doomed:
-                s.execute(delete(ModelVersion).where(ModelVersion.run_id == rt.run_id,
-                                                     ModelVersion.version.in_(doomed)))
-            s.commit()
+                version_rows.forget(c, rt.run_id, doomed)

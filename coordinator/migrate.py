@@ -10,7 +10,9 @@ from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
-from sqlalchemy import Engine, create_engine, text
+from sqlalchemy import Engine, create_engine
+
+from coordinator.queries import locks
 
 MIGRATIONS = Path(__file__).resolve().parent / "migrations"
 MIGRATE_LOCK_CLASS = 0x1D1F  # the advisory lock that serialises migrations (the merger's is 0x1D1E)
@@ -40,8 +42,7 @@ def upgrade(engine: Engine, revision: str = "head") -> str | None:
         if engine.dialect.name == "postgresql":
             # Coordinator processes starting together migrate one at a time (the lock ends with the
             # transaction); the others then find the schema at head and do nothing.
-            conn.execute(text("SELECT pg_advisory_xact_lock(:cls, hashtext('migrate/' || current_database() "
-                              "|| '/' || current_schema()))"), {"cls": MIGRATE_LOCK_CLASS})
+            locks.wait_migration_lock(conn, MIGRATE_LOCK_CLASS)
         cfg.attributes["connection"] = conn
         command.upgrade(cfg, revision)
     return current(engine)

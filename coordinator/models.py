@@ -65,7 +65,7 @@ class Worker(Base):
 
 class Shard(Base):
     __tablename__ = "shards"
-    # grant_lease reads the first pending shard by (times_trained, index): one step of this index
+    # a lease claims the first pending shard by (times_trained, index): one step of this index
     __table_args__ = (UniqueConstraint("run_id", "index"),
                       Index("ix_shards_pick", "run_id", "state", "times_trained", "index"))
     id: Mapped[int] = mapped_column(Integer, primary_key=True)

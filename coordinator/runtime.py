@@ -4,44 +4,41 @@ The merger thread mutates it, and so do sparse exchanges (sparta), always under 
 rebuilt on start from the newest good checkpoint plus a replay, in their original order, of the
 deltas processed and the exchanges answered after it, so nothing acknowledged is lost or doubled.
 
-The merge rule's state is one flat vector per quantity (shared/algorithms/outer.py FlatOuter:
+The merge rule's state is one flat vector per quantity (shared/algorithms/flat_outer.py FlatOuter:
 deltas decode onto global indices, the momentum step is lazy from 4M parameters up); `state`
-gives the plain per-tensor form. A checkpoint holds everything the merge depends on, exactly as
-it is in memory: the flat weights and momentum with their scalars, the group's pending deltas
-and count, the version, the robust-merge norm history and the last exchange folded in (older
-checkpoints, per tensor, still load), and the screen's state (robust.py: each worker's recent
-delta and exchange norms, its merged count for the ramp, and the coordinator's own reference
-round's norm, computed once per run by `calibrate`). Data position (shards done / leased / pending) lives in the
-database, committed with each lease and delta. The coordinator draws no random numbers: every
+gives the plain per-tensor form. A checkpoint (coordinator/checkpoints.py) holds everything the
+merge depends on, exactly as it is in memory: the flat weights and momentum with their scalars,
+the group's pending deltas and count, the version, the last exchange folded in, and the screen's
+state (robust.py: each worker's recent delta and exchange norms, its merged count for the ramp,
+and the coordinator's own reference round's norm, computed once per run by `calibrate`). Data
+position (shards done / leased / pending) lives in the database, committed with each lease and
+delta. The coordinator draws no random numbers: every
 seed it hands out is derived from the run's seed and a lease id, so there is no RNG to save.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import logging
 import math
 import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import numpy as np
-import safetensors.torch
 import torch
 
 from coordinator.storage import Storage
 from shared import codec
 from shared.algorithms import robust, sparta
 from shared.algorithms.inner import make_optimizer, pseudo_gradient, run_steps
-from shared.algorithms.outer import FlatOuter, OuterState, staleness_weight
+from shared.algorithms.flat_outer import FlatOuter
+from shared.algorithms.outer import OuterState, staleness_weight
 from shared.config import RunConfig
 from shared.errors import DeltaFormatError
 from shared.model import TransformerLM, build_model, evaluate_loss, get_params, param_schema, set_params
-from shared.snapshot import parts_sha256, run_snapshot_parts, safetensors_parts
+from shared.snapshot import parts_sha256, run_snapshot_parts
 
 log = logging.getLogger(__name__)
 
@@ -58,10 +55,10 @@ class MergeOutcome:
     norm: float | None = None
     cosine: float | None = None
     clipped: bool = False
+    rejection: robust.Rejection | None = None  # why, when not merged: the metrics' label
 
 
 class RunRuntime:
-    CHECKPOINTS_KEPT = 3  # a torn or corrupt newest one falls back to the one before
     # The lazy momentum step (FlatOuter): None = by model size (outer.LAZY_MIN_PARAMS and up); tests force it.
     lazy_momentum: bool | None = None
 
@@ -191,64 +188,6 @@ class RunRuntime:
         # must hold at its own boundary (cost exactly `duty` of the time) whatever the clock reads
         return now - self.snapshot_done_at >= self.snapshot_cost_s * (1.0 / duty - 1.0) - 1e-6
 
-    def write_checkpoint(self) -> Path:
-        """Atomically write the state as checkpoints/<version>.ckpt; keep the newest few."""
-        # The flat state exactly as it is (not materialised), so a restart continues bit for bit.
-        tensors, outer_meta = self.outer.checkpoint()
-        if self.reference_delta is not None:
-            tensors["screen/reference"] = self.reference_delta
-        tensors = {k: v.contiguous() for k, v in tensors.items()}
-        meta = {"version": str(self.version), "in_group": str(self.outer.in_group),
-                "screen": json.dumps(self.screen_json()), "last_exchange_id": str(self.last_exchange_id),
-                "config": self.config.model_dump_json(), **outer_meta}
-        # The file in parts straight from the tensors' memory: nothing copied, so the GIL is not held
-        # for seconds (safetensors.torch.save and a join would: every request of this process waits).
-        parts = safetensors_parts(tensors, meta)
-        # The hash sits beside the data so a torn or corrupted file is detected on load.
-        path = self.storage.checkpoint(self.run_id, self.version)
-        self.storage.write(path, [parts_sha256(parts).encode() + b"\n", *parts])
-        for _, old in self.storage.list_checkpoints(self.run_id)[self.CHECKPOINTS_KEPT:]:
-            old.unlink(missing_ok=True)
-        return path
-
-    @classmethod
-    def from_checkpoint(cls, *, run_id: int, config: RunConfig, storage: Storage,
-                        max_version: int | None = None) -> RunRuntime | None:
-        """The newest checkpoint that passes its hash and is not ahead of `max_version`; None if none."""
-        for version, path in storage.list_checkpoints(run_id):
-            if max_version is not None and version > max_version:
-                log.warning("checkpoint %s is ahead of the recorded version %d; skipping it", path, max_version)
-                continue
-            try:
-                rt = cls._load(path, run_id=run_id, config=config, storage=storage)
-            except (OSError, ValueError, KeyError) as exc:
-                log.error("checkpoint %s is unreadable (%s); trying an older one", path, exc)
-                continue
-            if rt is not None:
-                return rt
-        return None
-
-    @classmethod
-    def _load(cls, path: Path, *, run_id: int, config: RunConfig, storage: Storage) -> RunRuntime | None:
-        blob = path.read_bytes()
-        digest, _, raw = blob.partition(b"\n")
-        if hashlib.sha256(raw).hexdigest().encode() != digest:
-            log.error("checkpoint %s fails its hash; trying an older one", path)
-            return None
-        tensors = safetensors.torch.load(raw)
-        header_len = int.from_bytes(raw[:8], "little")
-        meta = json.loads(raw[8:8 + header_len])["__metadata__"]
-        if meta.get("outer_form") == "flat1":
-            state: OuterState | FlatOuter = FlatOuter.from_checkpoint(tensors, meta, in_group=int(meta["in_group"]))
-        else:  # written before the flat form: the plain tensors, converted on load
-            state = OuterState.from_tensors(tensors, in_group=int(meta["in_group"]))
-        rt = cls(run_id=run_id, config=config, storage=storage, state=state, version=int(meta["version"]),
-                 norm_history=json.loads(meta.get("norm_history", "[]")),
-                 last_exchange_id=int(meta.get("last_exchange_id", "0")),
-                 screen=json.loads(meta["screen"]) if "screen" in meta else None)
-        rt.reference_delta = tensors.get("screen/reference")
-        return rt
-
     # -- merging and evaluation ----------------------------------------------------------------
 
     def merge(self, *, seq: int, base_version: int, write_snapshot: bool = True,
@@ -269,8 +208,9 @@ class RunRuntime:
                     write_snapshot: bool = True, prefetch: bool = False) -> list[MergeOutcome]:
         """Process several stored deltas in order: items = [(seq, base_version), ...], seqs consecutive
         from version + 1, or [(seq, base_version, worker id), ...] (see merge). The same outcomes as
-        calling merge() on each in turn (the same decisions and arithmetic), but only the last version gets a snapshot (write_snapshot=True) -- the others carry
-        snapshot_sha256 "" and size 0, as merge(write_snapshot=False) does. prefetch: read and decode
+        calling merge() on each in turn (the same decisions and arithmetic), but only the last version
+        gets a snapshot (write_snapshot=True) -- the others carry snapshot_sha256 "" and size 0, as
+        merge(write_snapshot=False) does. prefetch: read and decode
         the next deltas on a helper thread meanwhile (off by default: on the 2-core reference machine
         it did not pay, docs/BENCHMARKS.md). The caller holds `lock`."""
         items = [(it[0], it[1], it[2] if len(it) > 2 else None) for it in items]
@@ -303,15 +243,17 @@ class RunRuntime:
         staleness = self.version - base_version
         cfg = self.config.outer
         weight = staleness_weight(max(0, staleness), cfg)
-        reason, merged, verdict = None, False, None
+        reason, merged, verdict, why = None, False, None, None
         if staleness < 0:
             reason = f"base version {base_version} is newer than the model ({self.version})"
+            why = robust.Rejection.STALE
         elif staleness > cfg.max_staleness:
             reason = f"{staleness} versions stale, above the limit of {cfg.max_staleness}"
+            why = robust.Rejection.STALE
         else:
             delta = fetch(seq)
             if isinstance(delta, Exception):
-                reason = f"stored delta unreadable: {delta}"
+                reason, why = f"stored delta unreadable: {delta}", robust.Rejection.UNREADABLE
             elif delta.n_entries == 0:  # a sparta round's end: changes nothing, not even the group count
                 merged = True
             else:
@@ -326,7 +268,7 @@ class RunRuntime:
                 verdict = robust.decide(norm, cosine, history=self.norms, cfg=rcfg, bound=self.adam_bound,
                                         peak=robust.flat_max_abs(delta), elements=self.element_bound,
                                         reference_norm=self.reference_norm)
-                reason, merged = verdict.reason, verdict.merged
+                reason, merged, why = verdict.reason, verdict.merged, verdict.rejection
                 # an unknown sender counts as a worker of its own, at full weight (unit tests, old rows)
                 key = f"#{seq}" if worker is None else str(worker)
                 if merged:
@@ -338,7 +280,7 @@ class RunRuntime:
         self.version = seq
         return MergeOutcome(seq, merged, staleness, weight, reason, "", 0,
                             norm=verdict.norm if verdict else None, cosine=verdict.cosine if verdict else None,
-                            clipped=bool(verdict and verdict.action == "clip"))
+                            clipped=bool(verdict and verdict.action == "clip"), rejection=why)
 
     def _finish(self, out: MergeOutcome, write_snapshot: bool) -> MergeOutcome:
         if not write_snapshot:
@@ -392,7 +334,7 @@ class RunRuntime:
 
     def eval_tokens(self) -> torch.Tensor:
         if self._eval_tokens is None:
-            raw = np.fromfile(self.storage.eval_tokens(self.run_id), dtype=np.uint8)
+            raw = np.frombuffer(self.storage.read(self.storage.eval_tokens(self.run_id)), dtype=np.uint8)
             self._eval_tokens = torch.from_numpy(raw[: self.config.eval_tokens].copy())
         return self._eval_tokens
 

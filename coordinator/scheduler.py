@@ -1,41 +1,14 @@
-"""Lease policy, pure: which shard goes out next, when a lease is dead, what a round costs.
+"""Lease policy, pure: deadlines, a lease's lifetime, seeds, what a round costs.
 
-No database or clock access here; the service passes in plain values and applies the answer.
+No database or clock access here; the services pass in plain values and apply the answer. Which
+shard goes out next is SQL (queries/leases.py claim_statement; services/leases.py pick_shard).
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
-from dataclasses import dataclass
 from datetime import datetime, timedelta
-
-
-@dataclass(frozen=True)
-class ShardView:
-    id: int
-    index: int
-    state: str  # pending | leased | done
-    times_trained: int
-
-
-@dataclass(frozen=True)
-class Pick:
-    shard_id: int | None
-    new_epoch: bool  # every shard was done: the caller resets them all to pending first
-
-
-def pick_shard(shards: Sequence[ShardView]) -> Pick:
-    """The least-trained pending shard (lowest index on ties); a new epoch when all are done;
-    nothing while the remaining shards are all out on lease."""
-    pending = [s for s in shards if s.state == "pending"]
-    if pending:
-        best = min(pending, key=lambda s: (s.times_trained, s.index))
-        return Pick(best.id, new_epoch=False)
-    if shards and all(s.state == "done" for s in shards):
-        best = min(shards, key=lambda s: (s.times_trained, s.index))
-        return Pick(best.id, new_epoch=True)
-    return Pick(None, new_epoch=False)
 
 
 def lease_deadline(now: datetime, ttl_s: float) -> datetime:

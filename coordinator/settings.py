@@ -83,7 +83,7 @@ class CoordinatorSettings(BaseSettings):
     # local process, or a proxy on this machine that passes the header through, pick its address at will.
     forwarded_allow_ips: str = Field("", description="comma-separated addresses or networks of the reverse "
                                      "proxies whose X-Forwarded-For is believed (`127.0.0.1` for nginx on this "
-                                     "machine, deploy/README.md); empty: none, the connection's address counts")
+                                     "machine, docs/operations.md); empty: none, the connection's address counts")
     merge_idle_s: float = Field(0.05, gt=0, description="merger's sleep when nothing is queued")
     processes: int = Field(1, ge=1, le=256, description="HTTP processes `serve` starts on one port (PostgreSQL "
                                                          "only); one of them merges at a time")

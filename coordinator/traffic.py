@@ -11,6 +11,10 @@ from __future__ import annotations
 import threading
 from collections import defaultdict
 
+from coordinator.db import Database
+from coordinator.queries import runs as run_rows
+from coordinator.queries import workers as worker_rows
+
 RunBytes = dict[int, list[int]]  # run id -> [up, down_model, down_data]
 WorkerBytes = dict[int, list[int]]  # worker id -> [up, down]
 
@@ -49,3 +53,30 @@ class TrafficCounter:
                 w = self._workers[worker_id]
                 w[0] += up
                 w[1] += down
+
+
+class Traffic(TrafficCounter):
+    """The counter, and the write of what it counted (flush): every process flushes every second
+    (app.Election), and whatever reads the counts flushes first."""
+
+    def __init__(self, db: Database) -> None:
+        super().__init__()
+        self.db = db
+        self._flush_lock = threading.Lock()
+
+    def flush(self) -> None:
+        """Write the bytes counted in this process since the last flush (one transaction). One flush at a
+        time: a reader that flushes first then sees every count taken before it, written."""
+        with self._flush_lock:
+            runs, workers = self.take()
+            if not runs and not workers:
+                return
+            try:
+                with self.db.begin() as c:
+                    for run_id, (up, down_model, down_data) in runs.items():
+                        run_rows.add_traffic(c, run_id, up=up, down_model=down_model, down_data=down_data)
+                    for worker_id, (up, down) in workers.items():
+                        worker_rows.add_traffic(c, worker_id, up=up, down=down)
+            except BaseException:
+                self.put_back(runs, workers)
+                raise

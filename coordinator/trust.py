@@ -31,7 +31,7 @@ class Standing:
 def judged(rows: Sequence[tuple[str, str | None, int | None]], *, max_staleness: int) -> list[tuple[str, str | None]]:
     """(outcome, reason) of the deltas that speak about their worker, from (outcome, reason,
     staleness) rows, order kept. A delta rejected at merge for being more than max_staleness versions
-    stale is left out: its upload was within the limit (accept_delta refuses it otherwise), so the
+    stale is left out: its upload was within the limit (UploadService.accept refuses it otherwise), so the
     versions it fell behind by were the coordinator's queue, not the worker's doing. Without this, a
     merger falling behind under load would throttle and then ban honest workers."""
     return [(outcome, reason) for outcome, reason, staleness in rows

@@ -47,7 +47,7 @@ from shared.codec.envelope import HEADER
 from shared.codec.indices import IndexKind
 from shared.codec.values import ValueKind
 from shared.config import CompressionConfig, RunConfig
-from shared.model import ModelConfig, build_model, param_schema
+from shared.model import build_model, param_schema
 from tests import procs
 
 API = protocol.API_PREFIX
@@ -226,8 +226,14 @@ class Api:
         return self.client.app.state.merger
 
     def runtime(self, run: str = "t"):
-        (rt,) = [rt for rt in self.coordinator.runtime_list() if rt.config.name == run]
+        (rt,) = [rt for rt in self.coordinator.live.runtime_list() if rt.config.name == run]
         return rt
+
+    def db(self):
+        """An ORM session on the app's database, for a test to look at (or set up) rows directly."""
+        from sqlalchemy.orm import Session
+
+        return Session(self.coordinator.db.engine, expire_on_commit=False)
 
     def drain(self) -> int:
         return self.merger.drain()
@@ -310,7 +316,7 @@ def run(api: Api, run_config) -> RunConfig:
 
 
 def schema_of(lease: protocol.Lease) -> dict[str, tuple[int, ...]]:
-    return param_schema(build_model(ModelConfig.from_dict(lease.model)))
+    return param_schema(build_model(lease.model))
 
 
 @pytest.fixture

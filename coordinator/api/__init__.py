@@ -1,10 +1,16 @@
-"""HTTP routes, thin adapters over coordinator.service.Coordinator.
+"""HTTP routes, thin adapters over the services of coordinator/services/ (one service per router).
 
-    deps.py     Annotated dependencies: CoordinatorDep, CurrentWorker, AdminDep
-    errors.py   the one mapping of errors to HTTP answers
-    runs.py     create / list / status / config
-    workers.py  register, lease, delta upload
-    blobs.py    snapshots and shards
-    dashboard.py the dashboard page (GET /) and its JSON
-    metrics.py  GET /metrics (Prometheus), the app's registry and the merger's observations
+    deps.py       Annotated dependencies: CoordinatorDep, CurrentWorker, AdminDep, RowId
+    errors.py     the one mapping of errors to HTTP answers
+    runs.py       create / list / config / pause / resume            (RunService)
+    workers.py    register; the operator's list / revoke / readmit   (WorkerService)
+    leases.py     take, renew, give up a lease                       (LeaseService)
+    downloads.py  snapshots, model updates, shards                   (DownloadService)
+    uploads.py    delta uploads, streamed to disk                    (UploadService)
+    exchanges.py  sparse exchanges, relayed to the leader if need be (ExchangeService)
+    reports.py    status, evaluate now                               (ReportService)
+    dashboard.py  the dashboard page (GET /) and its JSON            (ReportService)
+    metrics.py    GET /metrics (Prometheus), the app's registry and the merger's observations
+    bodies.py     binary request bodies: capped, timed out, streamed to a file
+    relay.py      the leader's loopback listener and the relay of requests to it
 """

@@ -52,4 +52,4 @@ async def dashboard_page() -> HTMLResponse:
 @router.get(f"{protocol.API_PREFIX}/runs/{{run}}/dashboard", response_model=protocol.Dashboard)
 async def run_dashboard(run: str, coord: CoordinatorDep) -> protocol.Dashboard:
     """Every number of the dashboard for one run (public: names and teams, never tokens or reasons)."""
-    return await run_in_threadpool(coord.dashboard, run)
+    return await run_in_threadpool(coord.reports.dashboard, run)

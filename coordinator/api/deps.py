@@ -10,8 +10,8 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.concurrency import run_in_threadpool
 
 from coordinator.errors import Forbidden, Unauthorized
-from coordinator.models import Worker
-from coordinator.service import Coordinator
+from coordinator.services.common import Caller
+from coordinator.services.coordinator import Coordinator
 
 _bearer = HTTPBearer(auto_error=False, description="a worker token, or the operator's admin token")
 
@@ -27,11 +27,11 @@ RowId = Annotated[int, Path(ge=0, le=2**31 - 1)]
 Credentials = Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
 
 
-async def current_worker(coord: CoordinatorDep, creds: Credentials) -> Worker:
-    return await run_in_threadpool(coord.authenticate, creds.credentials if creds else None)
+async def current_worker(coord: CoordinatorDep, creds: Credentials) -> Caller:
+    return await run_in_threadpool(coord.workers.authenticate, creds.credentials if creds else None)
 
 
-CurrentWorker = Annotated[Worker, Depends(current_worker)]
+CurrentWorker = Annotated[Caller, Depends(current_worker)]
 
 
 def require_admin(request: Request, creds: Credentials) -> None:

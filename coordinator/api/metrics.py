@@ -18,7 +18,7 @@ Read from the database at scrape time (they survive restarts and count every pro
 
 Observed by the merger thread in this process (they start at zero with it):
 
-    idletrain_merge_rejections_total{run,reason}       counter  reason: one of REASONS, never free text
+    idletrain_merge_rejections_total{run,reason}       counter  reason: a robust.Rejection value, never free text
     idletrain_merge_seconds{run}                       histogram  one delta's merge and commit
 """
 
@@ -31,31 +31,10 @@ from prometheus_client.registry import Collector
 from starlette.concurrency import run_in_threadpool
 
 from coordinator.runtime import MergeOutcome, RunRuntime
-from coordinator.service import Coordinator
+from coordinator.services.coordinator import Coordinator
+from shared.algorithms.robust import Rejection
 
 router = APIRouter(tags=["metrics"])
-
-# Bounded label values for why the merger rejected a delta: (class, what its reason text says).
-REASONS = ("stale", "unreadable", "nonfinite", "bound", "small", "norm", "direction", "other")
-_PATTERNS = (  # in order: the first that matches names the class (runtime.py and shared/algorithms/robust.py)
-    ("stale", "versions stale"),
-    ("stale", "is newer than the model"),
-    ("unreadable", "unreadable"),
-    ("nonfinite", "not finite"),
-    ("small", "too small"),
-    ("bound", "AdamW steps can move"),
-    ("bound", "round of AdamW steps"),
-    ("norm", "recent median"),
-    ("direction", "consensus"),
-)
-
-
-def reason_class(reason: str | None) -> str:
-    """The label value for a merge-time rejection reason (free text) — one of REASONS."""
-    for label, needle in _PATTERNS:
-        if reason and needle in reason:
-            return label
-    return "other"
 
 
 class _DatabaseCollector(Collector):
@@ -65,7 +44,7 @@ class _DatabaseCollector(Collector):
         self.coord = coord
 
     def collect(self):
-        runs = self.coord.metrics_sample()
+        runs = self.coord.reports.metrics_sample()
 
         def family(kind, name: str, doc: str, labels: tuple[str, ...] = ()):
             return kind(name, doc, labels=["run", *labels])
@@ -123,8 +102,8 @@ class AppMetrics:
 
     def _known(self, run: str) -> None:
         """Every reason of a run exported from the start at 0, so rate() sees the first rejection."""
-        for reason in REASONS:
-            self.merge_rejections.labels(run, reason)
+        for reason in Rejection:
+            self.merge_rejections.labels(run, reason.value)
         self.merge_seconds.labels(run)
 
     def observe_merge(self, rt: RunRuntime, out: MergeOutcome, seconds: float) -> None:
@@ -133,10 +112,10 @@ class AppMetrics:
         self._known(run)
         self.merge_seconds.labels(run).observe(seconds)
         if not out.merged:
-            self.merge_rejections.labels(run, reason_class(out.reason)).inc()
+            self.merge_rejections.labels(run, (out.rejection or Rejection.OTHER).value).inc()
 
     def render(self) -> bytes:
-        for rt in self.coord.runtime_list():
+        for rt in self.coord.live.runtime_list():
             self._known(rt.config.name)
         return generate_latest(self.registry)
 

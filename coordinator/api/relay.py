@@ -19,7 +19,7 @@ from fastapi import FastAPI, Request, Response
 
 from coordinator import leader
 from coordinator.errors import Unavailable
-from coordinator.service import Coordinator
+from coordinator.services.coordinator import Coordinator
 from shared import protocol
 
 log = logging.getLogger(__name__)

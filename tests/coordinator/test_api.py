@@ -107,7 +107,7 @@ def test_public_status_counts_flagged_workers_but_never_says_who_or_why(api, run
     reason = "4 of its last 4 deltas rejected; last: norm 9.1 is 40.0x the median"
     for name, standing in (("ok-worker", "ok"), ("slow-poisoner", "throttled"), ("poisoner", "banned")):
         api.register(name=name)
-        with api.coordinator.sessions() as s:
+        with api.db() as s:
             s.execute(update(Worker).where(Worker.name == name).values(
                 standing=standing, standing_reason=reason if standing != "ok" else None))
             s.commit()
@@ -165,7 +165,7 @@ def test_lease_fields(api, run):
     assert lease.lr == pytest.approx(run.inner.lr)  # nothing trained yet: the peak lr
     assert lease.inner == run.inner
     assert lease.compression == run.compression
-    assert lease.model == run.model.to_dict()
+    assert lease.model.to_dict() == run.model.to_dict()
     ttl = timedelta(seconds=run.lease_ttl_s)
     assert before + ttl - timedelta(seconds=5) <= lease.deadline <= datetime.now(timezone.utc) + ttl
     raw = api.shard(lease.shard_id, headers)
@@ -417,8 +417,9 @@ def test_bad_upload_is_refused_and_changes_nothing(api, run, make_delta, encode_
             "shards_done")
     before = {k: api.status()[k] for k in keys}
     snap_before = api.snapshot("latest")
-    deltas_dir = api.coordinator.storage.run_dir(api.runtime().run_id) / "deltas"
-    files_before = sorted(p.name for p in deltas_dir.iterdir())
+    storage = api.coordinator.storage
+    deltas_dir = storage.deltas(api.runtime().run_id)
+    files_before = storage.list(deltas_dir)
 
     resp = api.upload(lease_id, body, headers, content_type=ctype or "application/octet-stream")
     assert resp.status_code == expected, resp.text
@@ -428,7 +429,7 @@ def test_bad_upload_is_refused_and_changes_nothing(api, run, make_delta, encode_
     assert api.drain() == 0
     assert {k: api.status()[k] for k in keys} == before
     assert api.snapshot("latest") == snap_before
-    assert sorted(p.name for p in deltas_dir.iterdir()) == files_before
+    assert storage.list(deltas_dir) == files_before
     # the lease is untouched: its owner can still deliver it
     ack = api.accept(c.lease.lease_id, c.good, c.headers)
     assert ack.duplicate is False and ack.will_merge_into == 2
@@ -465,7 +466,7 @@ def test_rejected_uploads_are_counted_against_the_worker(api, run):
     assert resp.status_code == 422
     assert "delta refused" in resp.json()["detail"]
     from coordinator.models import Worker
-    with api.coordinator.sessions() as s:
+    with api.db() as s:
         (worker,) = s.query(Worker).all()
         assert worker.deltas_rejected == 1 and worker.deltas_accepted == 0
 
@@ -541,7 +542,7 @@ def test_a_diverged_model_is_reported_not_recorded(api, run, make_delta, monkeyp
     lease = api.lease(h)
     api.accept(lease.lease_id, make_delta(lease), h)
     api.drain()
-    assert api.merger.coord.evaluate(rt) is None  # the merger's own evaluation: skipped, not raised
+    assert api.merger.coord.reports.evaluate(rt) is None  # the merger's own evaluation: skipped, not raised
     st = api.status()  # parses: every recorded loss is finite
     assert st["version"] == 1 and [p["version"] for p in st["eval_history"]] == [0]
     assert api.client.get(f"{API}/runs/t/dashboard").status_code == 200
@@ -571,7 +572,7 @@ def test_admin_token_guards_operator_actions(tmp_path, open_api, run_config):
 
 
 def test_the_coordinator_runs_on_the_backend_asked_for(api, db_backend):
-    assert api.coordinator.engine.dialect.name == db_backend
+    assert api.coordinator.db.engine.dialect.name == db_backend
 
 
 # -- a full disk: 503 + Retry-After, nothing acknowledged, the same request succeeds once there is room --
@@ -588,7 +589,7 @@ def _acknowledged(api) -> tuple[int, int, int, int]:
 
     from coordinator.models import DeltaRecord, Lease, Refusal, Worker
 
-    with api.coordinator.sessions() as s:
+    with api.db() as s:
         return (api.status()["version"], s.scalar(select(func.count()).select_from(DeltaRecord)),
                 s.scalar(select(func.count()).select_from(Lease).where(Lease.state == "delivered")),
                 s.scalar(select(func.sum(Worker.deltas_rejected))) + s.scalar(
@@ -622,7 +623,7 @@ def test_an_upload_that_finds_the_database_full_is_503(api, run, make_delta, dat
     headers = api.register()
     lease = api.lease(headers)
     body = make_delta(lease, scale=1e-4)
-    with database_full(api.coordinator.engine):
+    with database_full(api.coordinator.db.engine):
         _assert_disk_full(api.upload(lease.lease_id, body, headers))
     assert _acknowledged(api) == (0, 0, 0, 0)
     assert api.accept(lease.lease_id, body, headers).will_merge_into == 1
@@ -636,9 +637,9 @@ def test_a_lease_on_a_full_database_is_503_and_takes_no_shard(api, run, database
     from coordinator.models import Lease
 
     headers = api.register()
-    with database_full(api.coordinator.engine):
+    with database_full(api.coordinator.db.engine):
         _assert_disk_full(api.client.post(f"{API}/runs/t/leases", headers=headers))
-    with api.coordinator.sessions() as s:
+    with api.db() as s:
         assert s.scalar(select(func.count()).select_from(Lease)) == 0
     assert api.lease(headers).base_version == 0
 
@@ -656,14 +657,14 @@ def test_other_os_errors_are_not_taken_for_a_full_disk(api, run, make_delta, mon
 
 
 def _worker(api, worker_id: int) -> Worker:
-    with api.coordinator.sessions() as s:
+    with api.db() as s:
         return s.get(Worker, worker_id)
 
 
 def _refusals(api, worker_id: int) -> list[str]:
     from coordinator.models import Refusal
 
-    with api.coordinator.sessions() as s:
+    with api.db() as s:
         return [r.reason for r in s.query(Refusal).filter_by(worker_id=worker_id).all()]
 
 
@@ -677,7 +678,7 @@ def test_a_one_value_delta_earns_nothing(api, run):
     refused 422 with the reason, counted against the worker, no version, no tokens, no credit."""
     headers = api.register(name="cheat")
     lease = api.lease(headers)
-    wid = api.coordinator.authenticate(headers["Authorization"][7:]).id
+    wid = api.coordinator.workers.authenticate(headers["Authorization"][7:]).id
     body = codec.encode(Delta(lease.base_version, (
         Entry("ln_f.bias", 32, IndexKind.PACKED, ValueKind.FP32, np.array([1e-7], np.float32),
               np.array([0], np.int64)),)))
@@ -735,7 +736,7 @@ def test_a_delta_must_be_what_the_leases_compression_makes(api, run_config, make
     for how in cheats:
         headers = api.register()
         lease = api.lease(headers)
-        wid = api.coordinator.authenticate(headers["Authorization"][7:]).id
+        wid = api.coordinator.workers.authenticate(headers["Authorization"][7:]).id
         before = _model_state(api)
         resp = api.upload(lease.lease_id, _tampered(lease, make_delta(lease, scale=1e-3), how), headers)
         assert resp.status_code == 422, (how, resp.text)
@@ -764,7 +765,7 @@ def test_copied_delta_bytes_are_merged_once(api, run, make_delta):
     after = api.status()
     assert (after["version"], after["pending_deltas"], after["tokens_trained"]) == \
         (before["version"], before["pending_deltas"], before["tokens_trained"])
-    cid = api.coordinator.authenticate(copier["Authorization"][7:]).id
+    cid = api.coordinator.workers.authenticate(copier["Authorization"][7:]).id
     assert len(_refusals(api, cid)) == 1 and _worker(api, cid).deltas_accepted == 0
     retry = api.accept(a.lease_id, body, honest)  # the original's retry: its original answer
     assert (retry.duplicate, retry.will_merge_into, retry.delta_id) == (True, first.will_merge_into, first.delta_id)

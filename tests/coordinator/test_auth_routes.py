@@ -27,6 +27,7 @@ from types import SimpleNamespace
 import fastapi.routing
 import pytest
 from fastapi.routing import APIRoute
+from sqlalchemy.orm import Session
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
@@ -152,7 +153,7 @@ def env(tmp_path_factory, corpus_dir):
             assert lease.status_code == 200, lease.text
             e.leases[key] = lease.json()["lease_id"]
         # no revoke route is assumed: the row is marked directly
-        with client.app.state.coordinator.sessions() as s:
+        with Session(client.app.state.coordinator.db.engine) as s:
             s.get(Worker, e.ids["revoked"]).revoked = True
             s.commit()
         e.schema = client.app.openapi()

@@ -45,7 +45,7 @@ def test_delta_credit_is_tokens_times_bonus():
 
 def _backdate(api, lease_id: int, seconds: float) -> None:
     """Make a lease look granted `seconds` before its delta arrived."""
-    with api.coordinator.sessions() as s:
+    with api.db() as s:
         received = s.scalar(select(DeltaRecord.received_at).where(DeltaRecord.lease_id == lease_id))
         s.execute(update(Lease).where(Lease.id == lease_id).values(created_at=received - timedelta(seconds=seconds)))
         s.commit()
@@ -64,7 +64,7 @@ def test_only_merged_deltas_earn_credit_once(api, run, make_delta, encode_unchec
     _backdate(api, leases["fast"].lease_id, 15.0)  # lease_ttl_s is 600: bonus sqrt(10)
     _backdate(api, leases["slow"].lease_id, 400.0)  # past a quarter of the deadline: bonus 1
     assert api.drain() == 3
-    with api.coordinator.sessions() as s:
+    with api.db() as s:
         earned = {w.name: w.credit for w in s.scalars(select(Worker))}
         outcomes = dict(s.execute(select(DeltaRecord.lease_id, DeltaRecord.outcome)).all())
     assert outcomes[leases["bad"].lease_id] == "rejected"
@@ -82,11 +82,11 @@ def test_credit_survives_a_restart_without_being_awarded_again(open_api, run_con
         lease = api.lease(w)
         api.accept(lease.lease_id, make_delta(lease), w)
         api.drain()
-        with api.coordinator.sessions() as s:
+        with api.db() as s:
             before = s.scalar(select(Worker.credit))
     assert before > 0
     with open_api(settings) as api:  # the restart replays the merged delta into the weights, not the ledger
-        with api.coordinator.sessions() as s:
+        with api.db() as s:
             assert s.scalar(select(Worker.credit)) == before
 
 

@@ -49,7 +49,7 @@ def test_dashboard_numbers(api, run, make_delta):
     api.snapshot()
     for i, (who, h) in enumerate((("alice", alice), ("bob", bob), ("carol", carol))):
         api.accept(leases[who].lease_id, make_delta(leases[who], seed=i), h)
-    with api.coordinator.sessions() as s:  # alice came back in 10 s (bonus sqrt(15)), the others in 300 s (1)
+    with api.db() as s:  # alice came back in 10 s (bonus sqrt(15)), the others in 300 s (1)
         for who, seconds in (("alice", 10.0), ("bob", 300.0), ("carol", 300.0)):
             received = s.scalar(select(DeltaRecord.received_at).where(DeltaRecord.lease_id == leases[who].lease_id))
             s.execute(update(Lease).where(Lease.id == leases[who].lease_id)
@@ -104,7 +104,7 @@ def test_dashboard_shows_badges_not_reasons_or_secrets(api, run_config, make_del
         lease = api.lease(h)
         api.accept(lease.lease_id, make_delta(lease), h)
     api.drain()
-    with api.coordinator.sessions() as s:
+    with api.db() as s:
         s.execute(update(Worker).where(Worker.name == "mallory")
                   .values(standing="banned", standing_reason="secret-ish operator note"))
         s.execute(update(Worker).where(Worker.name == "trent").values(revoked=True))
@@ -129,7 +129,7 @@ def test_dashboard_stays_small_and_fast_with_hundreds_of_workers(api, run):
     """600 workers, 6000 recent deltas, 1200 evaluations: capped lists, a quick answer."""
     n_workers, per_worker, n_evals = 600, 10, 1200
     now = utcnow()
-    with api.coordinator.sessions() as s:
+    with api.db() as s:
         run_id = s.scalar(select(Shard.run_id))
         shard_id = s.scalar(select(Shard.id))
         s.execute(insert(Worker), [

@@ -82,8 +82,8 @@ def sent_for(lease: protocol.Lease, step: int, params, *, p: float = SPARTA["p"]
 
 def observe(api: Api) -> dict:
     """Everything an exchange may change."""
-    api.coordinator.flush_traffic()  # the byte counts it holds in memory (coordinator/traffic.py)
-    with api.coordinator.sessions() as s:
+    api.coordinator.traffic.flush()  # the byte counts it holds in memory (coordinator/traffic.py)
+    with api.db() as s:
         runs = {r.name: (r.bytes_up, r.bytes_down_model, r.bytes_down_data, r.version, r.tokens_trained)
                 for r in s.scalars(select(Run))}
         workers = {w.id: (w.bytes_up, w.bytes_down) for w in s.scalars(select(Worker))}
@@ -157,7 +157,7 @@ def test_exchange_mixes_the_selected_coordinates_and_answers_the_correction(api,
     assert after["exchanges"] == before["exchanges"] + 1
     up, down_model, down_data, version, tokens = before["runs"][run]
     assert after["runs"][run] == (up + len(body), down_model + len(resp.content), down_data, version, tokens)
-    with api.coordinator.sessions() as s:
+    with api.db() as s:
         row = s.scalar(select(Exchange).where(Exchange.lease_id == lease.lease_id))
         assert (row.step, row.bytes_in, row.bytes_out) == (EVERY, len(body), len(resp.content))
         wid = row.worker_id
@@ -185,7 +185,7 @@ def _abandoned(api, c):
 
 
 def _set_lease(api, lease_id: int, **values) -> None:
-    with api.coordinator.sessions() as s:
+    with api.db() as s:
         s.execute(update(Lease).where(Lease.id == lease_id).values(**values))
         s.commit()
 
@@ -272,8 +272,8 @@ COUNTED = {"garbage", "empty-body", "truncated"}
 
 def refusals_of(api: Api, headers: dict) -> list[tuple[str, str]]:
     """(kind, reason) of the Refusal rows that count against the worker of `headers`."""
-    worker = api.coordinator.authenticate(headers["Authorization"].split()[1])
-    with api.coordinator.sessions() as s:
+    worker = api.coordinator.workers.authenticate(headers["Authorization"].split()[1])
+    with api.db() as s:
         return [(r.kind, r.reason) for r in s.scalars(select(Refusal).where(Refusal.worker_id == worker.id))]
 
 
@@ -295,7 +295,7 @@ def test_a_refused_exchange_changes_nothing(api, case):
     assert isinstance(detail, str) and words in detail, detail  # validation answers too (api/errors.py)
     if case in COUNTED:  # before: refused uncounted, so malformed bodies cost their sender nothing
         assert [kind for kind, _ in refusals_of(api, headers)] == ["exchange"]
-        wid = api.coordinator.authenticate(headers["Authorization"].split()[1]).id
+        wid = api.coordinator.workers.authenticate(headers["Authorization"].split()[1]).id
         up, down = before["workers"][wid]
         before["workers"][wid] = (up + len(body), down)
         r = before["runs"]["s"]
@@ -303,7 +303,7 @@ def test_a_refused_exchange_changes_nothing(api, case):
     assert_same(before, observe(api))
 
     # the refusal did not use up the exchange: the owner of a live lease can still make it
-    with api.coordinator.sessions() as s:
+    with api.db() as s:
         live = s.get(Lease, c.lease.lease_id).state == "active" and case not in ("past-deadline", "twice")
     if live:
         assert post_exchange(api, c.lease.lease_id, EVERY, c.good, c.headers).status_code == 200
@@ -409,7 +409,7 @@ def test_a_sparta_rounds_credit_follows_the_exchanges_it_made(api):
         assert after["version"] == before["version"] + 1
         made[n_exchanges] = after["tokens_trained"] - before["tokens_trained"]
     assert made == {0: 0, 1: tokens // 2, 2: tokens}
-    with api.coordinator.sessions() as s:
+    with api.db() as s:
         credit = {w.name: (w.credit, w.tokens_trained) for w in s.scalars(
             select(Worker).where(Worker.name.like("sparta-%")))}
     assert credit["sparta-0"] == (0.0, 0)
@@ -439,7 +439,7 @@ def test_a_zstd_bomb_exchange_is_422_counted_and_never_decompressed(api, monkeyp
     assert resp.status_code == 422 and "times its" in resp.json()["detail"], resp.text
     assert decompressed == []
     assert [kind for kind, _ in refusals_of(api, headers)] == ["exchange"]
-    wid = api.coordinator.authenticate(headers["Authorization"].split()[1]).id
+    wid = api.coordinator.workers.authenticate(headers["Authorization"].split()[1]).id
     up, down = before["workers"][wid]
     before["workers"][wid] = (up + len(bomb), down)
     before["runs"]["s"] = (before["runs"]["s"][0] + len(bomb), *before["runs"]["s"][1:])
@@ -465,7 +465,7 @@ def test_exchanges_far_from_the_model_are_refused_and_throttle_the_worker(api):
     assert after["exchanges"] == before["exchanges"]
     for run, params in before["params"].items():  # the model is untouched
         assert all(torch.equal(t, after["params"][run][n]) for n, t in params.items()), run
-    with api.coordinator.sessions() as s:
+    with api.db() as s:
         (w,) = [w for w in s.scalars(select(Worker)) if w.id == _worker_of(api, lease.lease_id)]
         assert w.standing == "throttled" and "exchange refused" in w.standing_reason
     resp = api.client.post(f"{API}/runs/s/leases", headers=headers)
@@ -484,7 +484,7 @@ def test_an_honest_exchange_passes_the_screen_and_is_remembered(api):
 
 
 def _worker_of(api, lease_id: int) -> int:
-    with api.coordinator.sessions() as s:
+    with api.db() as s:
         return s.get(Lease, lease_id).worker_id
 
 
@@ -502,5 +502,5 @@ def test_no_exchange_folds_into_a_model_ahead_of_the_database(api):
     assert resp.status_code == 503 and int(resp.headers["Retry-After"]) >= 1, resp.text
     assert "retry" in resp.json()["detail"]
     assert_same(before, observe(api))
-    api.coordinator.reload_run(api.runtime("s").run_id)  # what the merger does next
+    api.coordinator.recovery.reload_run(api.runtime("s").run_id)  # what the merger does next
     assert post_exchange(api, lease.lease_id, EVERY, body, headers).status_code == 200

@@ -10,7 +10,7 @@ import logging
 
 import torch
 
-from coordinator.runtime import RunRuntime
+from coordinator import checkpoints
 from coordinator.settings import CoordinatorSettings
 from shared import codec
 from shared.algorithms.sparta import exchange_seed, select
@@ -56,7 +56,7 @@ def test_exchanges_and_deltas_replay_in_order_after_a_crash(tmp_path, open_api, 
         momentum = {n: t.clone() for n, t in rt.state.momentum.items()}
         status = api.status()
         assert status["exchanges"] == 13
-        monkeypatch.setattr(RunRuntime, "write_checkpoint", lambda self: None)  # the crash: no final checkpoint
+        monkeypatch.setattr(checkpoints, "write", lambda rt: None)  # the crash: no final checkpoint
     monkeypatch.undo()
 
     caplog.set_level(logging.INFO, logger="coordinator")
@@ -90,7 +90,7 @@ def test_replay_from_an_older_checkpoint_replays_exchanges_too(tmp_path, open_ap
         before = {n: t.clone() for n, t in rt.state.params.items()}
         storage, run_id = api.coordinator.storage, rt.run_id
     # shutdown wrote a checkpoint at version 2; remove it: only version 0's (from creation) is left
-    storage.checkpoint(run_id, 2).unlink()
+    storage.delete(storage.checkpoint(run_id, 2))
     caplog.set_level(logging.INFO, logger="coordinator")
     with open_api(settings) as api:
         rt = api.runtime()

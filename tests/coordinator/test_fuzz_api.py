@@ -36,6 +36,7 @@ from pathlib import Path
 import fastapi.routing
 import pytest
 from fastapi.routing import APIRoute
+from sqlalchemy.orm import Session
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -141,7 +142,7 @@ def targets(fuzz_app, corpus_dir) -> Targets:
                 tg.worker_ids.append(resp.json()["worker_id"])
             if key == "revoked":
                 worker_id = resp.json()["worker_id"]
-                with fuzz_app.state.coordinator.sessions() as s:
+                with Session(fuzz_app.state.coordinator.db.engine) as s:
                     s.get(Worker, worker_id).revoked = True
                     s.commit()
     return tg

@@ -55,15 +55,15 @@ def test_one_process_leads_the_other_relays_and_takes_over(open_api, tmp_path: P
     with contextlib.ExitStack() as first_ctx:
         first = first_ctx.enter_context(open_api(settings))
         with open_api(settings) as second:
-            assert first.coordinator.leads and not second.coordinator.leads
-            assert second.coordinator.runtime_list() == []  # no live models outside the leader
+            assert first.coordinator.live.leads and not second.coordinator.live.leads
+            assert second.coordinator.live.runtime_list() == []  # no live models outside the leader
             first_url = leader.read(settings.data_dir)["url"]
             assert first_url.startswith("http://127.0.0.1:")
 
             # a run created through the follower: the leader loads it, the follower never does
             second.create_run(run_config(algorithm="sparta", sparta=SPARTA))
-            _wait(lambda: len(first.coordinator.runtime_list()) == 1)
-            assert second.coordinator.runtime_list() == []
+            _wait(lambda: len(first.coordinator.live.runtime_list()) == 1)
+            assert second.coordinator.live.runtime_list() == []
 
             # a lease and an exchange through the follower: relayed, answered by the leader
             headers = second.register()
@@ -94,8 +94,8 @@ def test_one_process_leads_the_other_relays_and_takes_over(open_api, tmp_path: P
 
             # the leader goes away: the follower takes the lock, loads the run, answers itself
             first_ctx.close()
-            _wait(lambda: second.coordinator.leads)
-            assert [rt.config.name for rt in second.coordinator.runtime_list()] == ["t"]
+            _wait(lambda: second.coordinator.live.leads)
+            assert [rt.config.name for rt in second.coordinator.live.runtime_list()] == ["t"]
             assert second.runtime().version == 1
             headers2 = second.register()
             lease2 = second.lease(headers2)
@@ -114,7 +114,7 @@ def test_a_merge_is_fenced_by_the_version_it_followed(open_api, tmp_path: Path, 
         headers = api.register()
         lease = api.lease(headers)
         api.accept(lease.lease_id, make_delta(lease), headers)
-        with api.coordinator.sessions() as s:  # as if another process had merged version 1 already
+        with api.db() as s:  # as if another process had merged version 1 already
             s.execute(update(Run).values(version=1))
             s.commit()
         with pytest.raises(RuntimeError, match="another coordinator process merged it"):
@@ -123,5 +123,5 @@ def test_a_merge_is_fenced_by_the_version_it_followed(open_api, tmp_path: Path, 
 
 def test_sqlite_has_one_process_and_it_leads(tmp_path: Path, open_api):
     with open_api(CoordinatorSettings(data_dir=tmp_path / "c")) as api:
-        assert api.coordinator.leads and api.coordinator.leadership.held
+        assert api.coordinator.live.leads and api.coordinator.live.leadership.held
         assert leader.read(tmp_path / "c") is None  # nothing to relay to without relay=True

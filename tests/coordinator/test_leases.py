@@ -13,12 +13,12 @@ LATER = timedelta(days=30)  # past any lease's deadline in these runs (lease_ttl
 
 
 def _lease_states(api) -> dict[int, str]:
-    with api.coordinator.sessions() as s:
+    with api.db() as s:
         return {lease.id: lease.state for lease in s.query(Lease).all()}
 
 
 def _shard_states(api) -> dict[int, str]:
-    with api.coordinator.sessions() as s:
+    with api.db() as s:
         return {shard.index: shard.state for shard in s.query(Shard).all()}
 
 
@@ -26,12 +26,12 @@ def test_expiry_returns_the_shard_to_the_queue(api, run):
     a, b = api.register(), api.register()
     first = api.lease(a)
     assert _shard_states(api)[first.shard_id] == "leased"
-    assert api.coordinator.expire_leases() == 0  # not yet due
-    assert api.coordinator.expire_leases(now=utcnow() + LATER) == 1
+    assert api.coordinator.leases.expire() == 0  # not yet due
+    assert api.coordinator.leases.expire(now=utcnow() + LATER) == 1
     assert _lease_states(api)[first.lease_id] == "expired"
     assert _shard_states(api)[first.shard_id] == "pending"
     assert api.status()["workers_active"] == 0
-    assert api.coordinator.expire_leases(now=utcnow() + LATER) == 0  # expired once only
+    assert api.coordinator.leases.expire(now=utcnow() + LATER) == 0  # expired once only
     # the least-trained pending shard with the lowest index goes out next: the same one
     again = api.lease(b)
     assert again.shard_id == first.shard_id and again.lease_id != first.lease_id
@@ -97,7 +97,7 @@ def test_a_late_delta_on_an_expired_lease_is_still_merged(api, run, make_delta):
     shard still waits in the queue, so the late delta is merged and the shard is done."""
     slow = api.register()
     late_lease = api.lease(slow)
-    api.coordinator.expire_leases(now=utcnow() + LATER)
+    api.coordinator.leases.expire(now=utcnow() + LATER)
     assert _shard_states(api)[late_lease.shard_id] == "pending"
 
     ack = api.accept(late_lease.lease_id, make_delta(late_lease, seed=2), slow)
@@ -116,7 +116,7 @@ def test_an_expired_lease_whose_shard_was_reissued_cannot_deliver(api, run, make
 
     slow, fast = api.register(name="slow"), api.register(name="fast")
     late_lease = api.lease(slow)
-    api.coordinator.expire_leases(now=utcnow() + LATER)
+    api.coordinator.leases.expire(now=utcnow() + LATER)
     redo = api.lease(fast)  # the shard went back to the queue and someone else took it
     assert redo.shard_id == late_lease.shard_id
     snap = api.snapshot("latest")
@@ -133,7 +133,7 @@ def test_an_expired_lease_whose_shard_was_reissued_cannot_deliver(api, run, make
     st = api.status()
     assert (st["version"], st["merged_deltas"], st["pending_deltas"]) == (1, 1, 0)
     assert api.snapshot(0) == snap
-    with api.coordinator.sessions() as s:
+    with api.db() as s:
         assert s.query(DeltaRecord).filter_by(lease_id=late_lease.lease_id).count() == 0
         assert _lease_states(api)[late_lease.lease_id] == "expired"
         w = s.query(Worker).filter_by(name="slow").one()
@@ -153,20 +153,20 @@ def test_a_lease_given_up_while_its_delta_uploads_cannot_deliver(api, run, make_
     headers = api.register()
     lease = api.lease(headers)
     coord = api.coordinator
-    ack = coord._ack
+    ack = coord.uploads.ack
 
     def given_up_meanwhile(c, lease_id, *args, **kwargs):
-        with coord.engine.begin() as other:  # another request of the worker gives the lease up
+        with coord.db.engine.begin() as other:  # another request of the worker gives the lease up
             other.execute(update(Lease).where(Lease.id == lease_id).values(state="abandoned"))
         return ack(c, lease_id, *args, **kwargs)
 
-    monkeypatch.setattr(coord, "_ack", given_up_meanwhile)
+    monkeypatch.setattr(coord.uploads, "ack", given_up_meanwhile)
     resp = api.upload(lease.lease_id, make_delta(lease), headers)
     assert resp.status_code == 410, resp.text
     assert "given up" in resp.json()["detail"]
     monkeypatch.undo()
     assert api.drain() == 0 and api.status()["version"] == 0
-    with coord.sessions() as s:
+    with api.db() as s:
         assert s.query(DeltaRecord).filter_by(lease_id=lease.lease_id).count() == 0
     assert _lease_states(api)[lease.lease_id] == "abandoned"
     assert not list(coord.storage.staged_deltas(lease_id_run(api)))
@@ -203,7 +203,7 @@ def test_no_work_while_every_shard_is_leased(api, run, make_delta):
     api.accept(leases[0].lease_id, make_delta(leases[0]), workers[0])
     assert api.client.post(f"{API}/runs/t/leases", headers=workers[4]).status_code == 204
     # an expired lease frees its shard
-    api.coordinator.expire_leases(now=utcnow() + LATER)
+    api.coordinator.leases.expire(now=utcnow() + LATER)
     assert api.lease(workers[4]).shard_id == leases[1].shard_id
     assert api.status()["epoch"] == 0
 
@@ -226,7 +226,7 @@ def test_a_new_epoch_starts_when_every_shard_is_done(api, run, make_delta):
     assert st["shards_done"] == 0
     states = _shard_states(api)
     assert states[0] == "leased" and [states[i] for i in (1, 2, 3)] == ["pending"] * 3
-    with api.coordinator.sessions() as s:
+    with api.db() as s:
         assert {sh.times_trained for sh in s.query(Shard).all()} == {1}
     # the epoch counts once: the second lease of the new epoch does not bump it again
     api.accept(nxt.lease_id, make_delta(nxt), headers)
@@ -254,7 +254,7 @@ def test_a_late_delta_does_not_free_a_shard_someone_else_holds(api, run, make_de
     B delivers. (Before issue 18 A's delta was merged too: the shard trained twice.)"""
     slow, fast, other = api.register(), api.register(), api.register()
     a = api.lease(slow)
-    api.coordinator.expire_leases(now=utcnow() + LATER)
+    api.coordinator.leases.expire(now=utcnow() + LATER)
     b = api.lease(fast)
     assert b.shard_id == a.shard_id
     assert api.upload(a.lease_id, make_delta(a, seed=1), slow).status_code == 410
@@ -268,7 +268,7 @@ def test_a_late_delta_does_not_free_a_shard_someone_else_holds(api, run, make_de
     api.accept(b.lease_id, make_delta(b, seed=2), fast)
     assert _shard_states(api)[a.shard_id] == "done"
     assert api.lease(other).shard_id in range(4) and api.status()["epoch"] == 1
-    with api.coordinator.sessions() as s:
+    with api.db() as s:
         assert s.query(Shard).filter_by(index=a.shard_id).one().times_trained == 1  # B's round only
 
 
@@ -281,13 +281,13 @@ def test_renewal_extends_a_live_lease_only(api, run, make_delta):
     assert resp.status_code == 200, resp.text
     new = datetime.fromisoformat(resp.json()["deadline"])
     assert new >= lease.deadline
-    with api.coordinator.sessions() as s:
+    with api.db() as s:
         stored = s.get(Lease, lease.lease_id).deadline
     assert stored.replace(tzinfo=None) == new.replace(tzinfo=None)
     assert api.client.post(f"{API}/leases/{lease.lease_id}/renew", headers=other).status_code == 403
     assert api.client.post(f"{API}/leases/98765/renew", headers=w).status_code == 404
     # an expired lease is not brought back (its shard may be someone else's)
-    api.coordinator.expire_leases(now=utcnow() + LATER)
+    api.coordinator.leases.expire(now=utcnow() + LATER)
     resp = api.client.post(f"{API}/leases/{lease.lease_id}/renew", headers=w)
     assert resp.status_code == 410 and "expired" in resp.json()["detail"]
     # nor a delivered one
@@ -335,7 +335,7 @@ def test_a_renewal_must_show_progress(api, run):
     lease = api.lease(w)
 
     def stored():
-        with api.coordinator.sessions() as s:
+        with api.db() as s:
             row = s.get(Lease, lease.lease_id)
             return row.deadline, row.progress_step
 
@@ -352,7 +352,7 @@ def test_a_renewal_must_show_progress(api, run):
     resp = _renew(api, lease.lease_id, w, run.inner.steps + 1)
     assert resp.status_code == 422 and f"{run.inner.steps} steps" in resp.json()["detail"]
     assert stored() == after_first
-    with api.coordinator.sessions() as s:
+    with api.db() as s:
         assert [r.kind for r in s.query(Refusal).all()] == ["renew"]  # the impossible step counts
     assert _renew(api, lease.lease_id, w, 2).status_code == 200
     assert stored()[1] == 2
@@ -371,27 +371,27 @@ def test_the_lease_lifetime_caps_renewals_and_the_sweep_reissues_the_shard(open_
         coord = api.coordinator
         hoarder, honest = api.register(), api.register()
         lease = api.lease(hoarder)
-        worker = coord.authenticate(hoarder["Authorization"][7:])
-        with coord.sessions() as s:
+        worker = coord.workers.authenticate(hoarder["Authorization"][7:])
+        with api.db() as s:
             t0 = s.get(Lease, lease.lease_id).created_at
         t0 = t0 if t0.tzinfo else t0.replace(tzinfo=timezone.utc)  # SQLite hands datetimes back naive (UTC)
         at = lambda s_: t0 + timedelta(seconds=s_)  # noqa: E731
-        assert coord.renew_lease(lease.lease_id, worker, step=1, now=at(50)).deadline == at(110)
-        assert coord.renew_lease(lease.lease_id, worker, step=2, now=at(100)).deadline == at(160)
-        assert coord.renew_lease(lease.lease_id, worker, step=3, now=at(150)).deadline == at(210)
-        assert coord.renew_lease(lease.lease_id, worker, step=4, now=at(200)).deadline == at(240)  # capped
+        assert coord.leases.renew(lease.lease_id, worker, step=1, now=at(50)).deadline == at(110)
+        assert coord.leases.renew(lease.lease_id, worker, step=2, now=at(100)).deadline == at(160)
+        assert coord.leases.renew(lease.lease_id, worker, step=3, now=at(150)).deadline == at(210)
+        assert coord.leases.renew(lease.lease_id, worker, step=4, now=at(200)).deadline == at(240)  # capped
         try:
-            coord.renew_lease(lease.lease_id, worker, step=5, now=at(230))
+            coord.leases.renew(lease.lease_id, worker, step=5, now=at(230))
             raise AssertionError("a renewal past the lease's lifetime was granted")
         except Conflict as exc:
             assert exc.status_code == 409 and "lifetime" in exc.detail
-        with coord.sessions() as s:
+        with api.db() as s:
             row = s.get(Lease, lease.lease_id)
             assert row.progress_step == 4
             deadline = row.deadline if row.deadline.tzinfo else row.deadline.replace(tzinfo=timezone.utc)
         assert deadline == at(240)
-        assert coord.expire_leases(now=at(239)) == 0
-        assert coord.expire_leases(now=at(240)) == 1
+        assert coord.leases.expire(now=at(239)) == 0
+        assert coord.leases.expire(now=at(240)) == 1
         assert _lease_states(api)[lease.lease_id] == "expired"
         assert _shard_states(api)[lease.shard_id] == "pending"
         assert api.lease(honest).shard_id == lease.shard_id  # re-issued
@@ -452,5 +452,5 @@ def test_the_registration_burst_is_small(open_api, settings, run_config):
         assert codes.count(201) <= 10 and codes[-1] == 429
         resp = api.client.post(f"{API}/runs/t/workers", json={})
         assert resp.status_code == 429 and int(resp.headers["retry-after"]) >= 1
-        with api.coordinator.sessions() as s:
+        with api.db() as s:
             assert s.query(Worker).count() == codes.count(201)

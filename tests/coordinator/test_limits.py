@@ -1,4 +1,4 @@
-"""The HTTP layer's bounds (coordinator/limits.py, the upload routes of coordinator/api/workers.py),
+"""The HTTP layer's bounds (coordinator/limits.py, the upload routes of coordinator/api/uploads.py),
 against the attacks of issue 18: uploads buffered in memory before auth and rate limits, slow
 bodies never timed out, zstd bombs, unbounded JSON bodies and 422 answers echoing their input.
 
@@ -16,7 +16,6 @@ import struct
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
@@ -50,8 +49,9 @@ def post_stream(api, lease_id: int, body: Pulled, headers: dict) -> httpx.Respon
                            headers={**headers, "Content-Type": "application/octet-stream"})
 
 
-def files_in(folder: Path) -> list[str]:
-    return sorted(p.name for p in folder.iterdir()) if folder.exists() else []
+def files_in(storage, folder: str) -> list[str]:
+    """The names of the blobs in a storage folder, without the folder."""
+    return sorted(name.rsplit("/", 1)[-1] for name in storage.list(folder))
 
 
 def params_of(api) -> dict[str, torch.Tensor]:
@@ -97,7 +97,7 @@ def test_upload_to_another_workers_lease_is_refused_before_the_body_is_read(api,
     assert unchanged(before, api) and api.drain() == 0
     assert all(w["deltas_rejected"] == 0 and w["standing"] == "ok"
                for w in api.operator("get", f"{API}/runs/t/workers").json())
-    assert not list(api.coordinator.storage.deltas(api.runtime().run_id).glob("*"))
+    assert not files_in(api.coordinator.storage, api.coordinator.storage.deltas(api.runtime().run_id))
 
 
 def test_upload_over_the_rate_limit_is_refused_before_the_body_is_read(tmp_path, open_api, run_config, make_delta):
@@ -130,7 +130,7 @@ def test_an_upload_past_the_workers_in_flight_cap_is_429_before_its_body(api, ru
     headers = api.register()
     lease = api.lease(headers)
     worker_id = worker_row(api)["worker_id"]
-    inflight = api.coordinator.uploads_in_flight
+    inflight = api.coordinator.uploads.in_flight
     assert api.coordinator.settings.max_concurrent_uploads == 2
     with inflight.hold(worker_id), inflight.hold(worker_id):
         body = Pulled(make_delta(lease))
@@ -154,7 +154,7 @@ def test_a_chunked_body_over_the_cap_is_413_and_leaves_no_file(tmp_path, open_ap
         before = params_of(api)
         resp = post_stream(api, lease.lease_id, Pulled(b"\x00" * 4096), headers)  # no Content-Length
         assert resp.status_code == 413, resp.text
-        assert files_in(api.coordinator.storage.deltas(api.runtime().run_id)) == []
+        assert files_in(api.coordinator.storage, api.coordinator.storage.deltas(api.runtime().run_id)) == []
         assert unchanged(before, api) and api.drain() == 0
         assert worker_row(api)["deltas_rejected"] == 0 and worker_row(api)["deltas_accepted"] == 0
 
@@ -165,17 +165,18 @@ def test_an_accepted_upload_is_staged_from_the_streamed_file_and_a_retry_answers
     body = make_delta(lease)
     first = post_stream(api, lease.lease_id, Pulled(body), headers)
     assert first.status_code == 202, first.text
-    folder = api.coordinator.storage.deltas(api.runtime().run_id)
-    staged = [n for n in files_in(folder) if n.endswith(".staged")]
-    assert len(staged) == 1 and not [n for n in files_in(folder) if n.endswith(".part")]
-    (path,) = folder.glob("*.staged")
-    assert path.read_bytes() == body
+    storage = api.coordinator.storage
+    folder = storage.deltas(api.runtime().run_id)
+    staged = [n for n in files_in(storage, folder) if n.endswith(".staged")]
+    assert len(staged) == 1 and not [n for n in files_in(storage, folder) if n.endswith(".part")]
+    (name,) = [n for n in storage.list(folder) if n.endswith(".staged")]
+    assert storage.read(name) == body
     again = post_stream(api, lease.lease_id, Pulled(body), headers)
     assert again.status_code == 202 and again.json()["duplicate"] is True
     assert again.json()["will_merge_into"] == first.json()["will_merge_into"]
     other = post_stream(api, lease.lease_id, Pulled(body + b"\x00"), headers)
     assert other.status_code == 409
-    assert not [n for n in files_in(folder) if n.endswith(".part")]
+    assert not [n for n in files_in(storage, folder) if n.endswith(".part")]
     assert api.drain() == 1
 
 
@@ -200,7 +201,7 @@ def test_a_zstd_bomb_upload_is_422_counted_and_never_decompressed(api, run, monk
     assert unchanged(before, api) and api.drain() == 0
     w = worker_row(api)
     assert w["deltas_rejected"] == 1 and w["deltas_accepted"] == 0
-    assert files_in(api.coordinator.storage.deltas(api.runtime().run_id)) == []
+    assert files_in(api.coordinator.storage, api.coordinator.storage.deltas(api.runtime().run_id)) == []
 
 
 # -- JSON bodies and 422 answers -------------------------------------------------------------------
@@ -313,9 +314,9 @@ def test_a_stalled_body_is_cut_off_with_408_and_nothing_kept(served, run_config)
         with s:
             status, head = read_status(s)  # before: it waited for ever (no timeout on a body)
         assert status == 408, head
-        (run_id,) = coord.runtimes  # the one run "t"
-        assert files_in(coord.storage.deltas(run_id)) == []
-        assert coord.uploads_in_flight.count(worker_id) == 0
+        (run_id,) = coord.live.runtimes  # the one run "t"
+        assert files_in(coord.storage, coord.storage.deltas(run_id)) == []
+        assert coord.uploads.in_flight.count(worker_id) == 0
         (w,) = client.get(f"{API}/runs/t/workers", headers={"Authorization": f"Bearer {app.state.admin_token}"}).json()
         assert w["deltas_accepted"] == 0 and w["standing"] == "ok"
         assert client.get(f"{API}/runs/t/status").json()["version"] == 0
@@ -328,17 +329,17 @@ def test_a_third_concurrent_upload_over_a_socket_is_429(served, run_config, make
         coord = app.state.coordinator
         stalled = [start_upload(base, lease.lease_id, headers, declared=100_000, sent=b"\x00" * 100) for _ in range(2)]
         try:
-            wait_until(lambda: coord.uploads_in_flight.count(worker_id) == 2, what="two uploads in flight")
+            wait_until(lambda: coord.uploads.in_flight.count(worker_id) == 2, what="two uploads in flight")
             resp = client.post(f"{API}/leases/{lease.lease_id}/delta", content=make_delta(lease),
                                headers={**headers, "Content-Type": "application/octet-stream"})
             assert resp.status_code == 429 and resp.headers["Retry-After"], resp.text
         finally:
             for s in stalled:
                 s.close()
-        wait_until(lambda: coord.uploads_in_flight.count(worker_id) == 0, what="the cut uploads to end")
+        wait_until(lambda: coord.uploads.in_flight.count(worker_id) == 0, what="the cut uploads to end")
         # nothing kept from the two cut off; the real one now goes through
-        (run_id,) = coord.runtimes
-        assert not list(coord.storage.deltas(run_id).glob(".lease-*.part"))
+        (run_id,) = coord.live.runtimes
+        assert not coord.storage.partial_uploads(run_id)
         resp = client.post(f"{API}/leases/{lease.lease_id}/delta", content=make_delta(lease),
                            headers={**headers, "Content-Type": "application/octet-stream"})
         assert resp.status_code == 202, resp.text

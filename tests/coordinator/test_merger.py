@@ -114,7 +114,7 @@ def test_merge_applies_deltas_in_seq_order_like_a_replay(api, run, make_delta):
     swapped[0], swapped[2] = swapped[2], swapped[0]
     assert differs(got, replay(run, swapped))
 
-    with api.coordinator.sessions() as s:
+    with api.db() as s:
         recs = s.query(DeltaRecord).order_by(DeltaRecord.seq).all()
     assert [(r.seq, r.outcome, r.staleness) for r in recs] == [
         (1, "merged", 0), (2, "merged", 1), (3, "merged", 2), (4, "merged", 0), (5, "merged", 1), (6, "merged", 2)]
@@ -162,7 +162,7 @@ def test_a_delta_too_stale_at_merge_time_is_rejected_not_applied(api, run_config
     assert api.drain() == 3
     st = api.status()
     assert (st["version"], st["merged_deltas"], st["rejected_deltas"]) == (3, 2, 1)
-    with api.coordinator.sessions() as s:
+    with api.db() as s:
         rec = s.query(DeltaRecord).filter_by(seq=3).one()
     assert rec.outcome == "rejected" and "stale" in rec.reason
     assert_same(latest_params(api, cfg), replay(cfg, up.in_order()[:2]))
@@ -192,14 +192,14 @@ def test_restart_resumes_with_identical_weights(tmp_path, open_api, run_config, 
     assert [v for v, _ in storage.list_checkpoints(run_id)] == [3, 0]
     newest = storage.checkpoint(run_id, 3)
     if checkpoint == "corrupt":  # the newest fails its hash: fall back to version 0's, replay 3 deltas
-        blob = bytearray(newest.read_bytes())
+        blob = bytearray(storage.read(newest))
         blob[len(blob) // 2] ^= 0x01  # one bit in the tensor data
-        newest.write_bytes(bytes(blob))
+        storage.write(newest, bytes(blob))
     elif checkpoint == "missing":
-        for _, path in storage.list_checkpoints(run_id):
-            path.unlink()
+        for _, name in storage.list_checkpoints(run_id):
+            storage.delete(name)
     elif checkpoint == "older":  # a half-written newest never got renamed in: version 0's is what there is
-        newest.unlink()
+        storage.delete(newest)
 
     caplog.set_level(logging.INFO, logger="coordinator")
     with open_api(settings) as api:
@@ -309,8 +309,8 @@ def test_the_merger_reloads_before_merging_while_a_reload_fails(api, run, make_d
     def away(_run_id):
         raise OperationalError("SELECT", None, sqlite3.OperationalError("unable to open database file"))
 
-    with database_full(coord.engine), monkeypatch.context() as m:
-        m.setattr(coord, "reload_run", away)
+    with database_full(coord.db.engine), monkeypatch.context() as m:
+        m.setattr(coord.recovery, "reload_run", away)
         with pytest.raises(OperationalError, match="disk is full|disk_full|No space"):
             api.drain()
         # ahead of the database (one delta: a batch ends where a snapshot is due, every version
@@ -341,7 +341,7 @@ def test_a_restart_on_a_full_disk_comes_up_and_writes_what_it_skipped_later(tmp_
         api.runtime().snapshot_cost_s = 1e9  # the snapshot duty holds version 2's snapshot back
         assert api.drain() == 2
     storage = api.coordinator.storage
-    storage.checkpoint(run_id, 2).unlink()  # the crash came before the checkpoint: 2 deltas to replay
+    storage.delete(storage.checkpoint(run_id, 2))  # the crash came before the checkpoint: 2 deltas to replay
     assert [v for v, _ in storage.list_checkpoints(run_id)] == [0]
 
     with monkeypatch.context() as m:
@@ -387,7 +387,7 @@ def test_the_screen_holds_from_the_first_delta_and_a_new_worker_ramps_up(api, ru
         assert api.upload(lease.lease_id, encode_unchecked(lease.base_version, entries), bad).status_code == 202
         assert api.drain() == 1
     assert_same(latest_params(api, cfg), v0)  # nothing merged
-    with api.coordinator.sessions() as s:
+    with api.db() as s:
         recs = s.query(DeltaRecord).order_by(DeltaRecord.seq).all()
         assert [r.outcome for r in recs] == ["rejected", "rejected"]
         assert "one element" in recs[0].reason and "too small" in recs[1].reason

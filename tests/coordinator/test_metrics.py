@@ -9,9 +9,11 @@ import pytest
 from prometheus_client import REGISTRY, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from coordinator.api.metrics import REASONS, reason_class
+from coordinator.api.metrics import AppMetrics
+from coordinator.runtime import MergeOutcome, RunRuntime
 from coordinator.settings import CoordinatorSettings
-from shared.algorithms.robust import screen
+from coordinator.storage import Storage
+from shared.algorithms.robust import Rejection, screen
 from shared.codec import Delta, Entry, IndexKind, ValueKind
 from shared.config import RobustConfig
 from tests.conftest import API, schema_of
@@ -54,8 +56,8 @@ def test_metrics_count_merges_rejections_leases_bytes_and_loss(api, run, make_de
     assert value(m, "idletrain_deltas_rejected_total", run="t", stage="merge") == 1
     assert value(m, "idletrain_deltas_rejected_total", run="t", stage="upload") == 1
     assert value(m, "idletrain_deltas_queued", run="t") == 0
-    for reason in REASONS:  # bounded labels, every one present
-        assert value(m, "idletrain_merge_rejections_total", run="t", reason=reason) == (reason == "bound")
+    for reason in Rejection:  # bounded labels, every one present
+        assert value(m, "idletrain_merge_rejections_total", run="t", reason=reason.value) == (reason == "bound")
     assert value(m, "idletrain_merge_seconds_count", run="t") == 3
     assert 0 < value(m, "idletrain_merge_seconds_sum", run="t") < 60
     assert value(m, "idletrain_merge_seconds_bucket", run="t", le="+Inf") == 3
@@ -102,34 +104,48 @@ def _dense(values) -> Delta:
     return Delta(0, (Entry("w", v.size, IndexKind.DENSE, ValueKind.FP32, v),))
 
 
-def test_reason_classes_follow_the_texts_robust_merging_writes():
+def _merge_rejections(seq: int, base_version: int, tmp_path) -> Rejection | None:
+    """What a fresh tiny run's merge of stored delta `seq` (none stored: unreadable) is rejected as."""
+    from tests.coordinator.test_runtime_merge import config
+
+    rt = RunRuntime.fresh(run_id=1, config=config(max_staleness=1), storage=Storage.local(tmp_path))
+    rt.version = seq - 1
+    return rt.merge(seq=seq, base_version=base_version, write_snapshot=False).rejection
+
+
+def test_rejection_classes_are_set_where_each_rejection_is_decided(tmp_path):
+    """The merger's rejections carry their class (robust.Rejection, the metrics' label) from where they
+    are decided: the screen's verdicts and the runtime's own; no free text is matched."""
     import torch
 
     cfg = RobustConfig(min_history=4, window=8)
     history = [1.0, 1.0, 1.0, 1.0]
-    texts = {
-        "nonfinite": screen(_dense([math.inf, 0]), history=[], reference=None, cfg=cfg).reason,
-        "bound": screen(_dense([100.0, 0]), history=[], reference=None, cfg=cfg, bound=1.0).reason,
-        "small": screen(_dense([0.0, 0]), history=[], reference=None, cfg=cfg).reason,
-        "norm": screen(_dense([50.0, 0]), history=history, reference=None, cfg=cfg).reason,
+    classes = {
+        "nonfinite": screen(_dense([math.inf, 0]), history=[], reference=None, cfg=cfg).rejection,
+        "bound": screen(_dense([100.0, 0]), history=[], reference=None, cfg=cfg, bound=1.0).rejection,
+        "small": screen(_dense([0.0, 0]), history=[], reference=None, cfg=cfg).rejection,
+        "norm": screen(_dense([50.0, 0]), history=history, reference=None, cfg=cfg).rejection,
         "direction": screen(_dense([-1.0, 0]), history=history, reference={"w": torch.tensor([1.0, 0.0])},
-                            cfg=cfg).reason,
-        # coordinator/runtime.py's own
-        "stale": "1001 versions stale, above the limit of 1000",
-        "unreadable": "stored delta unreadable: [Errno 2] No such file or directory",
+                            cfg=cfg).rejection,
+        # coordinator/runtime.py's own: 2 versions stale (limit 1), and a delta with no stored bytes
+        "stale": _merge_rejections(5, 2, tmp_path / "stale"),
+        "unreadable": _merge_rejections(5, 4, tmp_path / "unreadable"),
     }
-    for label, text in texts.items():
-        assert text and reason_class(text) == label, (label, text)
-    # the screen's other texts (shared/algorithms/robust.py) fall in the same classes
-    assert reason_class(screen(_dense([100.0, 0]), history=[], reference=None, cfg=cfg, elements=1.0).reason) == "bound"
-    assert reason_class(screen(_dense([100.0, 0]), history=[], reference=None, cfg=cfg,
-                               reference_norm=1.0).reason) == "bound"
-    assert reason_class(screen(_dense([1e-9, 0]), history=[], reference=None, cfg=cfg,
-                               reference_norm=1.0).reason) == "small"
-    assert reason_class(screen(_dense([1e-3, 0]), history=[1.0] * 4, reference=None,
-                               cfg=cfg.model_copy(update={"min_workers": 1})).reason) == "small"
-    assert reason_class(screen(_dense([0, 2.0]), history=history, reference={"w": torch.tensor([1.0, 0.0])},
-                               cfg=cfg.model_copy(update={"min_workers": 1})).reason) == "direction"
-    assert reason_class("base version 9 is newer than the model (3)") == "stale"
-    assert reason_class("something new") == reason_class(None) == "other"
-    assert set(texts) | {"other"} == set(REASONS)
+    for label, why in classes.items():
+        assert why == label and why.value == label, (label, why)
+    # the screen's other rejections fall in the same classes
+    assert screen(_dense([100.0, 0]), history=[], reference=None, cfg=cfg, elements=1.0).rejection == "bound"
+    assert screen(_dense([100.0, 0]), history=[], reference=None, cfg=cfg, reference_norm=1.0).rejection == "bound"
+    assert screen(_dense([1e-9, 0]), history=[], reference=None, cfg=cfg, reference_norm=1.0).rejection == "small"
+    assert screen(_dense([1e-3, 0]), history=[1.0] * 4, reference=None,
+                  cfg=cfg.model_copy(update={"min_workers": 1})).rejection == "small"
+    assert screen(_dense([0, 2.0]), history=history, reference={"w": torch.tensor([1.0, 0.0])},
+                  cfg=cfg.model_copy(update={"min_workers": 1})).rejection == "direction"
+    assert _merge_rejections(5, 9, tmp_path / "newer") == "stale"  # a base version newer than the model
+    # a rejection without a class (none is decided that way today) is counted as "other"
+    metrics = AppMetrics(None)
+    rt = type("Rt", (), {"config": type("Cfg", (), {"name": "r"})()})()
+    metrics.observe_merge(rt, MergeOutcome(1, False, 0, 1.0, "something new", "", 0), 0.01)
+    (family,) = metrics.merge_rejections.collect()
+    assert {s.labels["reason"]: s.value for s in family.samples if s.name.endswith("_total")}["other"] == 1
+    assert set(classes) | {"other"} == {r.value for r in Rejection}

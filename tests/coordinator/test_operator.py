@@ -40,7 +40,7 @@ def test_revoke_frees_the_lease_and_locks_the_token_out(tmp_path, open_api, run_
         wid = listed[0]["worker_id"]
         resp = api.client.post(f"{API}/runs/t/workers/{wid}/revoke", headers=ADMIN)
         assert resp.status_code == 200 and resp.json()["revoked"] is True
-        with api.coordinator.sessions() as s:
+        with api.db() as s:
             assert s.get(Lease, lease.lease_id).state == "abandoned"
             assert s.scalar(select(Shard.state).where(Shard.index == lease.shard_id)) == "pending"
         for resp in (api.client.post(f"{API}/runs/t/leases", headers=w),
@@ -54,7 +54,7 @@ def test_banned_worker_is_refused_with_the_reason_until_readmitted(tmp_path, ope
     with open_api(_settings(tmp_path)) as api:
         api.create_run(run_config(), headers=ADMIN)
         w = api.register()
-        with api.coordinator.sessions() as s:
+        with api.db() as s:
             s.execute(update(Worker).values(standing="banned", standing_reason="4 of its last 4 deltas rejected"))
             s.commit()
         resp = api.client.post(f"{API}/runs/t/leases", headers=w)
@@ -74,7 +74,7 @@ def test_throttled_worker_waits_between_leases(tmp_path, open_api, run_config, m
         api.create_run(run_config(shard_tokens=2048), headers=ADMIN)
         w = api.register()
         lease = api.lease(w)
-        with api.coordinator.sessions() as s:
+        with api.db() as s:
             s.execute(update(Worker).values(standing="throttled", standing_reason="2 of its last 3 deltas rejected"))
             s.commit()
         resp = api.client.post(f"{API}/runs/t/leases", headers=w)  # it leased a moment ago

@@ -61,9 +61,9 @@ def test_two_ipv6_addresses_of_one_64_share_a_registration_bucket(open_api, sett
     with open_api(settings) as api:
         api.create_run(run_config())
         coord, req = api.coordinator, protocol.RegisterRequest(name="w")
-        coord.register_worker("t", req, client="2001:db8:1:2::1")
+        coord.workers.register("t", req, client="2001:db8:1:2::1")
         with pytest.raises(TooManyRequests, match="2001:db8:1:2::/64") as refused:
-            coord.register_worker("t", req, client="2001:db8:1:2::dead:beef")
+            coord.workers.register("t", req, client="2001:db8:1:2::dead:beef")
         assert refused.value.status_code == 429 and int(refused.value.headers["Retry-After"]) >= 1
-        coord.register_worker("t", req, client="2001:db8:1:3::1")  # the next /64 is another client
-        assert len(coord.list_workers("t")) == 2
+        coord.workers.register("t", req, client="2001:db8:1:3::1")  # the next /64 is another client
+        assert len(coord.workers.list("t")) == 2

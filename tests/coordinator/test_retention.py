@@ -10,7 +10,7 @@ from sqlalchemy import func, select
 
 from coordinator.errors import RunUnrecoverable
 from coordinator.models import Exchange
-from coordinator.runtime import RunRuntime
+from coordinator import checkpoints
 from coordinator.settings import CoordinatorSettings
 from tests.conftest import API
 from tests.coordinator.test_exchange_replay import EVERY, STEPS, _exchange
@@ -36,12 +36,13 @@ def _config(run_config):
 
 
 def _files(storage, run_id) -> list[int]:
-    return sorted(int(p.stem) for p in storage.deltas(run_id).glob("*.delta"))
+    return sorted(int(name.rsplit("/", 1)[-1].removesuffix(".delta")) for name in storage.list(storage.deltas(run_id))
+                  if name.endswith(".delta"))
 
 
 def _exchange_bodies(api, run_id) -> dict[int, int]:
     """after_version -> how many of the exchanges after it still have their body."""
-    with api.coordinator.sessions() as s:
+    with api.db() as s:
         rows = s.execute(select(Exchange.after_version, func.length(Exchange.body)).where(
             Exchange.run_id == run_id)).all()
     out: dict[int, int] = {}
@@ -53,7 +54,7 @@ def _exchange_bodies(api, run_id) -> dict[int, int]:
 def test_deltas_every_kept_checkpoint_holds_are_deleted_and_a_restart_still_rebuilds(
         tmp_path, open_api, run_config, make_delta):
     settings = CoordinatorSettings(data_dir=tmp_path / "coord", checkpoint_every=2)
-    assert RunRuntime.CHECKPOINTS_KEPT == 3
+    assert checkpoints.KEPT == 3
     with open_api(settings) as api:
         api.create_run(_config(run_config))
         held = api.register()  # a lease that stays open throughout, its first exchange made now (version 0)
@@ -74,7 +75,7 @@ def test_deltas_every_kept_checkpoint_holds_are_deleted_and_a_restart_still_rebu
         before = {n: t.clone() for n, t in rt.state.params.items()}
         momentum = {n: t.clone() for n, t in rt.state.momentum.items()}
         # the open lease's exchange, retried after its body went, is refused, not applied a second time
-        with api.coordinator.sessions() as s:
+        with api.db() as s:
             assert s.scalar(select(Exchange.body).where(Exchange.lease_id == held_lease.lease_id)) == b""
         resp = api.client.post(f"{API}/leases/{held_lease.lease_id}/exchange", params={"step": EVERY},
                                content=b"x", headers={**held, "Content-Type": "application/octet-stream"})
@@ -82,8 +83,8 @@ def test_deltas_every_kept_checkpoint_holds_are_deleted_and_a_restart_still_rebu
         assert torch.equal(rt.state.params[next(iter(before))], before[next(iter(before))])
 
     # the two newest checkpoints lost: the oldest kept one (version 4) plus what was not deleted rebuilds it
-    storage.checkpoint(run_id, 8).unlink()
-    storage.checkpoint(run_id, 6).unlink()
+    storage.delete(storage.checkpoint(run_id, 8))
+    storage.delete(storage.checkpoint(run_id, 6))
     with open_api(settings) as api:
         rt = api.runtime()
         assert rt.version == 8
@@ -93,8 +94,8 @@ def test_deltas_every_kept_checkpoint_holds_are_deleted_and_a_restart_still_rebu
 
     # with every checkpoint gone a rebuild would need the deleted deltas: refused, with what to do, and
     # nothing is changed on disk
-    for _, path in storage.list_checkpoints(run_id):
-        path.unlink()
+    for _, name in storage.list_checkpoints(run_id):
+        storage.delete(name)
     left = _files(storage, run_id)
     with pytest.raises(RunUnrecoverable, match=r"deltas up to version \d+ were deleted.*Put back a good checkpoint"):
         with open_api(settings):
@@ -113,8 +114,8 @@ def test_keep_deltas_keeps_everything_for_a_rebuild_from_version_0(tmp_path, ope
         assert storage.pruned_through(run_id) == 0
         assert all(n > 0 for n in _exchange_bodies(api, run_id).values())
         before = {n: t.clone() for n, t in rt.state.params.items()}
-    for _, path in storage.list_checkpoints(run_id):
-        path.unlink()
+    for _, name in storage.list_checkpoints(run_id):
+        storage.delete(name)
     with open_api(settings) as api:  # from version 0: every delta and exchange replayed
         rt = api.runtime()
         assert rt.version == 8
@@ -125,7 +126,7 @@ def test_keep_deltas_keeps_everything_for_a_rebuild_from_version_0(tmp_path, ope
 def test_prune_deltas_writes_its_mark_before_deleting(tmp_path):
     from coordinator.storage import Storage
 
-    storage = Storage(tmp_path)
+    storage = Storage.local(tmp_path)
     for seq in range(1, 6):
         storage.write(storage.delta(1, seq), b"d")
     assert storage.prune_deltas(1, 3) == 3

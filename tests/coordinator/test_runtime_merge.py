@@ -11,6 +11,7 @@ import pytest
 import safetensors.torch
 import torch
 
+from coordinator import checkpoints
 from coordinator.runtime import RunRuntime
 from coordinator.storage import Storage
 from shared import codec
@@ -68,7 +69,7 @@ def deltas(n: int, *, seed: int = 0) -> list[Delta]:
 
 
 def runtime(tmp_path, cfg: RunConfig, name: str = "a") -> RunRuntime:
-    return RunRuntime.fresh(run_id=1, config=cfg, storage=Storage(tmp_path / name))
+    return RunRuntime.fresh(run_id=1, config=cfg, storage=Storage.local(tmp_path / name))
 
 
 def store(rt: RunRuntime, ds: list[Delta], bases: list[int]) -> list[tuple[int, int]]:
@@ -136,8 +137,8 @@ def test_merge_batch_equals_merge_one_by_one(tmp_path):
     one, batch = runtime(tmp_path, cfg, "one"), runtime(tmp_path, cfg, "batch")
     items = store(one, ds, bases)
     store(batch, ds, bases)
-    batch.storage.delta(1, 12).unlink()  # an unreadable delta on both sides
-    one.storage.delta(1, 12).unlink()
+    batch.storage.delete(batch.storage.delta(1, 12))  # an unreadable delta on both sides
+    one.storage.delete(one.storage.delta(1, 12))
     outs = [one.merge(seq=s, base_version=b, write_snapshot=s == 30) for s, b in items]
     got = batch.merge_batch(items[:9], write_snapshot=False) + batch.merge_batch(items[9:], prefetch=True)
     got = [dataclasses.replace(o, reason=o.reason and o.reason.replace("/batch/", "/one/")) for o in got]
@@ -161,8 +162,8 @@ def test_checkpoint_mid_group_restarts_bit_for_bit(tmp_path):
         rt.merge(seq=items[stop][0], base_version=items[stop][1], write_snapshot=False)
         stop += 1
     assert (rt.outer.carry > 0) == rt.outer.lazy  # in the scaled form when lazy
-    rt.write_checkpoint()
-    back = RunRuntime.from_checkpoint(run_id=1, config=cfg, storage=rt.storage)
+    checkpoints.write(rt)
+    back = checkpoints.load_newest(run_id=1, config=cfg, storage=rt.storage)
     assert back.version == stop and back.norm_history == rt.norm_history
     a = [rt.merge(seq=s, base_version=b, write_snapshot=False) for s, b in items[stop:]]
     b = [back.merge(seq=s, base_version=b, write_snapshot=False) for s, b in items[stop:]]
@@ -179,17 +180,17 @@ def test_a_checkpoint_in_the_old_format_still_loads(tmp_path):
     bases = list(range(12))
     ref_state, _ = plain_reference(cfg, ds[:7], bases[:7], param_schema(build_model(MODEL, seed=3)))
     assert ref_state.in_group == 1
-    storage = Storage(tmp_path / "old")
+    storage = Storage.local(tmp_path / "old")
     tensors = {k: v.contiguous() for k, v in ref_state.tensors().items()}
     meta = {"version": "7", "in_group": str(ref_state.in_group), "norm_history": json.dumps([0.1, 0.2]),
             "last_exchange_id": "5", "config": cfg.model_dump_json()}
     raw = safetensors.torch.save(tensors, metadata=meta)
     storage.write(storage.checkpoint(1, 7), hashlib.sha256(raw).hexdigest().encode() + b"\n" + raw)
-    rt = RunRuntime.from_checkpoint(run_id=1, config=cfg, storage=storage)
+    rt = checkpoints.load_newest(run_id=1, config=cfg, storage=storage)
     assert (rt.version, rt.norm_history, rt.last_exchange_id) == (7, [0.1, 0.2], 5)
     assert_states_close(rt.state, ref_state, tol=0)
-    rt.write_checkpoint()  # and it writes the new form, which loads again
-    again = RunRuntime.from_checkpoint(run_id=1, config=cfg, storage=storage)
+    checkpoints.write(rt)  # and it writes the new form, which loads again
+    again = checkpoints.load_newest(run_id=1, config=cfg, storage=storage)
     assert_states_close(again.state, ref_state, tol=0)
 
 
@@ -246,8 +247,8 @@ def test_the_reference_round_is_the_consensus_until_the_momentum_has_one(tmp_pat
     assert not attack.merged and "consensus" in attack.reason and attack.cosine == pytest.approx(0.0, abs=0.05)
     assert torch.equal(rt.outer.t, before) and rt.outer.in_group == 0  # it changed nothing
     assert torch.equal(rt.outer.m, torch.zeros_like(rt.outer.m))
-    rt.write_checkpoint()
-    back = RunRuntime.from_checkpoint(run_id=1, config=cfg, storage=rt.storage)
+    checkpoints.write(rt)
+    back = checkpoints.load_newest(run_id=1, config=cfg, storage=rt.storage)
     assert torch.equal(back.reference_delta, ref)  # kept while no momentum exists
     for r in (rt, back):
         honest = r.merge(seq=items[1][0], base_version=0, write_snapshot=False, worker=2)

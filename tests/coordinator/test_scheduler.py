@@ -1,51 +1,99 @@
-"""Lease policy, pure (coordinator/scheduler.py): no database, no clock."""
+"""Lease policy: the shard a lease claims (the SQL pick, on a real database of each backend), and the
+pure rules of coordinator/scheduler.py (no database, no clock)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 
 import pytest
+from sqlalchemy import delete, insert
 
-from coordinator.scheduler import (
-    Pick, ShardView, dense_equivalent_bytes, is_expired, lease_deadline, lease_seed, pick_shard, round_tokens,
-)
+from coordinator.db import Database
+from coordinator.models import Run, Shard
+from coordinator.queries import leases as lease_rows
+from coordinator.queries import runs as run_rows
+from coordinator.scheduler import dense_equivalent_bytes, is_expired, lease_deadline, lease_seed, round_tokens
+from coordinator.services.leases import Retry, pick_shard
+
+
+@dataclass(frozen=True)
+class ShardView:
+    id: int
+    index: int
+    state: str  # pending | leased | done
+    times_trained: int
+
+
+@pytest.fixture
+def db(settings):
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    database = Database(settings.resolved_database_url)
+    yield database
+    database.dispose()
+
+
+def pick(db: Database, shards: list[ShardView]) -> tuple[int | None, bool]:
+    """(id of the shard a lease of a run with these shards claims, or None; whether that opened a new
+    epoch), through the statements a lease request runs, its retry included."""
+    with db.begin() as c:
+        c.execute(delete(Shard))
+        c.execute(delete(Run))
+        run_id = run_rows.insert_creating(c, name="r", config_json="{}", n_params=1, train_tokens=1, eval_tokens=1,
+                                          join_key_hash=None)
+        if shards:
+            c.execute(insert(Shard), [{"id": s.id, "run_id": run_id, "index": s.index, "state": s.state,
+                                       "times_trained": s.times_trained, "n_tokens": 1, "sha256": "0" * 64}
+                                      for s in shards])
+    claim = lease_rows.claim_statement(skip_locked=db.skip_locked)
+    with db.read() as c:
+        epoch = run_rows.by_id(c, run_id).epoch
+    got: object = Retry.AGAIN
+    for _ in range(2):  # a new epoch: the pick asks again, as LeaseService.grant does
+        with db.begin() as c:
+            got = pick_shard(c, claim, run_id, run_rows.by_id(c, run_id).epoch)
+        if got is not Retry.AGAIN:
+            break
+    with db.read() as c:
+        new_epoch = run_rows.by_id(c, run_id).epoch != epoch
+    return (None if got is None else got.id), new_epoch
 
 
 def shard(index: int, state: str = "pending", times: int = 0, id_offset: int = 100) -> ShardView:
     return ShardView(id=index + id_offset, index=index, state=state, times_trained=times)
 
 
-def test_least_trained_pending_first():
+def test_least_trained_pending_first(db):
     shards = [shard(0, times=2), shard(1, times=1), shard(2, "leased", times=0), shard(3, times=1)]
-    assert pick_shard(shards) == Pick(101, new_epoch=False)  # 1 and 3 tie on times: lower index wins
+    assert pick(db, shards) == (101, False)  # 1 and 3 tie on times: lower index wins
 
 
-def test_ties_broken_by_index_not_by_id_or_order():
+def test_ties_broken_by_index_not_by_id_or_order(db):
     shards = [ShardView(id=7, index=5, state="pending", times_trained=0),
               ShardView(id=9, index=2, state="pending", times_trained=0),
               ShardView(id=1, index=8, state="pending", times_trained=0)]
-    assert pick_shard(shards) == Pick(9, new_epoch=False)
-    assert pick_shard(list(reversed(shards))) == Pick(9, new_epoch=False)
+    assert pick(db, shards) == (9, False)
+    assert pick(db, list(reversed(shards))) == (9, False)
 
 
-def test_pending_beats_done_even_if_done_is_less_trained():
+def test_pending_beats_done_even_if_done_is_less_trained(db):
     shards = [shard(0, "done", times=0), shard(1, "pending", times=5)]
-    assert pick_shard(shards) == Pick(101, new_epoch=False)
+    assert pick(db, shards) == (101, False)
 
 
-def test_new_epoch_when_every_shard_is_done():
+def test_new_epoch_when_every_shard_is_done(db):
     shards = [shard(0, "done", times=3), shard(1, "done", times=2), shard(2, "done", times=2)]
-    assert pick_shard(shards) == Pick(101, new_epoch=True)
+    assert pick(db, shards) == (101, True)
 
 
 @pytest.mark.parametrize("states", [["leased"], ["leased", "done"], ["done", "leased", "done"]])
-def test_nothing_while_the_rest_are_leased(states):
+def test_nothing_while_the_rest_are_leased(db, states):
     shards = [shard(i, s) for i, s in enumerate(states)]
-    assert pick_shard(shards) == Pick(None, new_epoch=False)
+    assert pick(db, shards) == (None, False)
 
 
-def test_no_shards():
-    assert pick_shard([]) == Pick(None, new_epoch=False)
+def test_no_shards(db):
+    assert pick(db, []) == (None, False)
 
 
 def test_lease_deadline_and_expiry():

@@ -16,7 +16,7 @@ from tests.coordinator.test_merger import MANY_SHARDS, assert_same, replay
 
 
 def _versions(api) -> list[int]:
-    with api.coordinator.sessions() as s:
+    with api.db() as s:
         return sorted(v for (v,) in s.query(ModelVersion.version).all())
 
 
@@ -61,7 +61,7 @@ def test_snapshots_every_n_versions_and_when_the_queue_runs_dry(tmp_path, open_a
     with open_api(settings) as api:
         assert 8 in _versions(api)  # written at start, so leases can hand version 8 out
         blob = api.snapshot("latest")
-        with api.coordinator.sessions() as s:
+        with api.db() as s:
             row = s.query(ModelVersion).filter_by(version=8).one()
         assert hashlib.sha256(blob).hexdigest() == row.sha256
         assert api.lease(api.register()).base_version == 8

@@ -11,7 +11,12 @@ from tests.conftest import API
 
 
 def _files(storage, run_id) -> list[str]:
-    return sorted(p.name for p in storage.deltas(run_id).iterdir() if p.suffix in (".delta", ".staged"))
+    return sorted(name.rsplit("/", 1)[-1] for name in storage.list(storage.deltas(run_id))
+                  if name.endswith((".delta", ".staged")))
+
+
+def _staged(storage, run_id) -> list[str]:
+    return [name for name in storage.list(storage.deltas(run_id)) if name.endswith(".staged")]
 
 
 def test_the_acknowledged_bytes_are_staged_then_renamed_to_their_sequence_number(api, run, make_delta):
@@ -21,9 +26,9 @@ def test_the_acknowledged_bytes_are_staged_then_renamed_to_their_sequence_number
     ack = api.accept(lease.lease_id, body, h)
     storage, run_id = api.coordinator.storage, api.runtime().run_id
     staged = storage.staged_delta(run_id, lease.lease_id, hashlib.sha256(body).hexdigest())
-    assert staged.read_bytes() == body and not storage.delta(run_id, ack.will_merge_into).exists()
+    assert storage.read(staged) == body and not storage.exists(storage.delta(run_id, ack.will_merge_into))
     assert api.drain() == 1
-    assert storage.delta(run_id, ack.will_merge_into).read_bytes() == body and not staged.exists()
+    assert storage.read(storage.delta(run_id, ack.will_merge_into)) == body and not storage.exists(staged)
     # the same bytes again: the same answer, and no second file left behind
     again = api.upload(lease.lease_id, body, h)
     assert again.status_code == 202 and again.json()["duplicate"]
@@ -40,13 +45,13 @@ def test_a_restart_merges_what_was_acknowledged_but_not_renamed(open_api, settin
             body = make_delta(lease, seed=seed)
             sent.append((api.accept(lease.lease_id, body, h).will_merge_into, body))
         storage, run_id = api.coordinator.storage, api.runtime().run_id
-        assert all(not storage.delta(run_id, seq).exists() for seq, _ in sent)  # not merged: still staged
+        assert all(not storage.exists(storage.delta(run_id, seq)) for seq, _ in sent)  # not merged: still staged
     with open_api(settings) as api:  # a new process: the queue is in the database, the bytes staged
         assert api.drain() == 2
         assert api.runtime().version == 2
         for seq, body in sent:
-            assert storage.delta(run_id, seq).read_bytes() == body
-        assert not list(storage.deltas(run_id).glob("*.staged"))
+            assert storage.read(storage.delta(run_id, seq)) == body
+        assert not _staged(storage, run_id)
 
 
 def test_a_different_body_for_a_delivered_lease_leaves_no_file(api, run, make_delta):
@@ -57,7 +62,7 @@ def test_a_different_body_for_a_delivered_lease_leaves_no_file(api, run, make_de
     resp = api.upload(lease.lease_id, second, h)
     assert resp.status_code == 409
     storage, run_id = api.coordinator.storage, api.runtime().run_id
-    assert [p.read_bytes() for p in storage.deltas(run_id).glob("*.staged")] == [first]
+    assert [storage.read(name) for name in _staged(storage, run_id)] == [first]
 
 
 def test_stale_staged_leftovers_go_and_a_waiting_one_stays(api, run, make_delta):
@@ -69,13 +74,13 @@ def test_stale_staged_leftovers_go_and_a_waiting_one_stays(api, run, make_delta)
     api.accept(lease.lease_id, body, h)  # acknowledged, not merged yet: its staged file waits
     orphan = storage.staged_delta(run_id, 999_999, "ab" * 32)  # an upload that died before its row
     storage.write(orphan, b"never acknowledged")
-    later = time.time() + coord.STAGED_KEEP_S + 1
-    assert coord._drop_stale_staged(run_id, now=time.time()) == 0  # too recent: kept
-    assert coord._drop_stale_staged(run_id, now=later) == 1
-    assert not orphan.exists() and len(list(storage.deltas(run_id).glob("*.staged"))) == 1
+    later = time.time() + coord.recovery.STAGED_KEEP_S + 1
+    assert coord.recovery.drop_stale_staged(run_id, now=time.time()) == 0  # too recent: kept
+    assert coord.recovery.drop_stale_staged(run_id, now=later) == 1
+    assert not storage.exists(orphan) and len(_staged(storage, run_id)) == 1
     api.drain()
     # a retry's second copy of a delta already renamed: a leftover too
     storage.write(storage.staged_delta(run_id, lease.lease_id, hashlib.sha256(body).hexdigest()), body)
-    assert coord._drop_stale_staged(run_id, now=later) == 1
+    assert coord.recovery.drop_stale_staged(run_id, now=later) == 1
     assert _files(storage, run_id) == ["0000000001.delta"]
     assert api.client.get(f"{API}/runs/t/status").status_code == 200

@@ -45,22 +45,23 @@ def test_phase_outside_a_request_does_nothing_and_parse_is_forgiving():
 def test_warm_up_builds_each_runs_schema_before_the_first_upload(settings, run_config, monkeypatch):
     """A coordinator process that does not lead checks uploads against a schema it builds itself; the
     first build in a process costs torch's one-off initialisation (~0.8 s), so it is done at start."""
-    from coordinator import service
+    from coordinator.services import live
+    from coordinator.services.coordinator import Coordinator
     from shared.config import RunConfig
 
-    first = service.Coordinator(settings)
-    first.create_run(RunConfig.model_validate(run_config()))
-    run_id = next(iter(first.runtimes))
-    want = first.schema_of(run_id)
+    first = Coordinator(settings)
+    first.runs.create(RunConfig.model_validate(run_config()))
+    run_id = next(iter(first.live.runtimes))
+    want = first.live.schema_of(run_id)
     first.close()
 
-    other = service.Coordinator(settings)  # a second process: no live models, no schema yet
-    other.leads = False
-    other.warm_up()
+    other = Coordinator(settings)  # a second process: no live models, no schema yet
+    other.live.leads = False
+    other.live.warm_up()
 
     def no_build(*a, **k):
         raise AssertionError("the schema should have been built at warm-up")
 
-    monkeypatch.setattr(service, "TransformerLM", no_build)
-    assert other.schema_of(run_id) == want
+    monkeypatch.setattr(live, "TransformerLM", no_build)
+    assert other.live.schema_of(run_id) == want
     other.close()

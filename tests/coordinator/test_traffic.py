@@ -37,7 +37,7 @@ def test_downloads_reach_the_database_once(api, run, make_delta):
     after = api.status()  # a read writes what was counted first
     assert after["bytes_down_data"] - before["bytes_down_data"] == len(shard.content)
     assert after["bytes_down_model"] - before["bytes_down_model"] == len(snap.content)
-    api.coordinator.flush_traffic()  # nothing left to write twice
+    api.coordinator.traffic.flush()  # nothing left to write twice
     assert api.status()["bytes_down"] == after["bytes_down"]
     (w,) = api.operator("get", f"{API}/runs/t/workers").json()
     assert w["bytes_down"] == len(shard.content)
@@ -49,8 +49,8 @@ def test_a_database_error_keeps_the_counts(api, run, monkeypatch):
     def broken():
         raise RuntimeError("database away")
 
-    monkeypatch.setattr(api.coordinator, "sessions", broken)
+    monkeypatch.setattr(api.coordinator.db, "begin", broken)
     with pytest.raises(RuntimeError):
-        api.coordinator.flush_traffic()
+        api.coordinator.traffic.flush()
     monkeypatch.undo()
     assert api.coordinator.traffic.take()[0] == {1: [0, 0, 123]}

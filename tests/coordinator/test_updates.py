@@ -100,7 +100,7 @@ def test_concurrent_requests_build_an_update_once_and_one_build_at_a_time(api, r
         api.accept(lease.lease_id, make_delta(lease, seed=seed, scale=2e-3), w)
         api.drain()
     coord = api.coordinator
-    real, active, peak = coord._build_update, [0], [0]
+    real, active, peak = coord.downloads.build_update, [0], [0]
     guard = threading.Lock()
 
     def slow_build(*args):
@@ -114,20 +114,20 @@ def test_concurrent_requests_build_an_update_once_and_one_build_at_a_time(api, r
             with guard:
                 active[0] -= 1
 
-    monkeypatch.setattr(coord, "_build_update", slow_build)
-    built = coord.updates_built
+    monkeypatch.setattr(coord.downloads, "build_update", slow_build)
+    built = coord.downloads.updates_built
     pairs = [(0, 3)] * 6 + [(0, 2), (1, 3), (1, 2)]
     blobs: dict[int, tuple[bytes, str]] = {}
 
     def ask(i: int) -> None:
-        blobs[i] = coord.model_update("t", *pairs[i])
+        blobs[i] = coord.downloads.model_update("t", *pairs[i])
 
     threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(pairs))]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    assert coord.updates_built - built == 4  # (0, 3) once, and each other pair once
+    assert coord.downloads.updates_built - built == 4  # (0, 3) once, and each other pair once
     assert peak[0] == 1
     assert len({blobs[i] for i in range(6)}) == 1  # every (0, 3) request got the same bytes
     assert blobs[0][0] == api.client.get(f"{API}/runs/t/updates/0/3").content

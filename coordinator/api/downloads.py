@@ -1,4 +1,4 @@
-"""Binary downloads: model snapshots (immutable, cacheable) and data shards."""
+"""Binary downloads (DownloadService): model snapshots (immutable, cacheable), model updates, data shards."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from coordinator.api.deps import CoordinatorDep, CurrentWorker, RowId
 from coordinator.errors import Unprocessable
 from shared import protocol
 
-router = APIRouter(prefix=protocol.API_PREFIX, tags=["blobs"])
+router = APIRouter(prefix=protocol.API_PREFIX, tags=["downloads"])
 
 _BINARY = {200: {"content": {"application/octet-stream": {}}, "description": "zstd-compressed bytes"}}
 
@@ -22,7 +22,7 @@ async def snapshot(run: str, request: Request, coord: CoordinatorDep,
     """The model at `version` (or `latest`) as zstd-compressed safetensors."""
     if version != "latest" and not version.isdigit():
         raise Unprocessable("version must be a number or 'latest'")
-    blob, v, sha = await run_in_threadpool(coord.snapshot, run, version,
+    blob, v, sha = await run_in_threadpool(coord.downloads.snapshot, run, version,
                                            if_none_match=request.headers.get("if-none-match"))
     etag = f'"{sha}"'
     headers = {protocol.H_SHA256: sha, protocol.H_VERSION: str(v), "ETag": etag}
@@ -37,7 +37,7 @@ async def snapshot(run: str, request: Request, coord: CoordinatorDep,
 async def model_update(run: str, from_version: RowId, to_version: RowId, coord: CoordinatorDep) -> Response:
     """The change from one version to a later one, int8 (a delta envelope: add it to version
     `from_version`'s weights). 410 when `from_version` is no longer kept: fetch the snapshot."""
-    blob, sha = await run_in_threadpool(coord.model_update, run, from_version, to_version)
+    blob, sha = await run_in_threadpool(coord.downloads.model_update, run, from_version, to_version)
     return Response(blob, media_type="application/octet-stream", headers={
         protocol.H_SHA256: sha, protocol.H_VERSION: str(to_version), "ETag": f'"{sha}"',
         "Cache-Control": "public, max-age=31536000, immutable"})
@@ -47,6 +47,6 @@ async def model_update(run: str, from_version: RowId, to_version: RowId, coord: 
 async def shard(run: str, shard: RowId, coord: CoordinatorDep,
                 worker: CurrentWorker) -> Response:
     """A data shard: zstd-compressed uint8 byte tokens; X-Content-SHA256 is of the raw tokens."""
-    blob, sha = await run_in_threadpool(coord.shard, run, shard, worker)
+    blob, sha = await run_in_threadpool(coord.downloads.shard, run, shard, worker)
     return Response(blob, media_type="application/octet-stream",
                     headers={protocol.H_SHA256: sha, "Cache-Control": "private, max-age=31536000, immutable"})

@@ -1,0 +1,22 @@
+"""Every statement the coordinator runs, by table, each behind a typed function over a Connection.
+
+    runs.py       runs: create, look up, state, byte counters, epochs, the merger's version fence
+    workers.py    workers and refusals: authentication, registration, the ledger, standing, judged events
+    leases.py     leases and shards: grant (a shard picked and claimed in one UPDATE), renew, give up, expire
+    deltas.py     received deltas: the upload's checks and acknowledgement, the merger's queue and outcomes
+    versions.py   model versions (snapshots on disk) and evaluations; the download lookups
+    exchanges.py  sparse exchanges (sparta): record, count, replay, prune their bodies
+    reports.py    the aggregates behind status, the dashboard and /metrics
+    locks.py      PostgreSQL advisory locks: the merger lock (leader.py), the migration lock (migrate.py)
+
+One way to the database: SQLAlchemy Core on a Connection (no ORM unit of work), the caller owning
+the transaction (`engine.begin()`, or `engine.connect()` with explicit commits where a request
+commits or rolls back part way). Statements of the hot path (authentication, leases, uploads) are
+built once at import with named parameters: building a statement costs more CPU than running it
+on a warm connection. Each round trip also does as much as one statement can: a shard is picked
+and claimed in one UPDATE, a run's next sequence number taken and its counts moved in another.
+
+Row locks are taken in one order, lease -> shard -> run -> worker: the merger's commit and the
+traffic flush also lock the run's row before any worker's, so no two transactions wait on each
+other in a circle.
+"""

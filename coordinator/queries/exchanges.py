@@ -1,0 +1,34 @@
+"""Sparse exchanges (sparta): record, look up, replay, prune their bodies."""
+
+from __future__ import annotations
+
+from sqlalchemy import Connection, Row, insert, select, update
+
+from coordinator.models import Exchange
+
+
+def exists(c: Connection, lease_id: int, step: int) -> bool:
+    return c.scalar(select(Exchange.id).where(Exchange.lease_id == lease_id, Exchange.step == step)) is not None
+
+
+def record(c: Connection, *, run_id: int, lease_id: int, worker_id: int, step: int, after_version: int,
+           body: bytes, bytes_out: int) -> int:
+    """An answered exchange, with its body and the version it followed (a restart replays it in its
+    place); returns its id. Raises IntegrityError when the lease exchanged after this step already."""
+    return c.execute(insert(Exchange).values(
+        run_id=run_id, lease_id=lease_id, worker_id=worker_id, step=step, after_version=after_version, body=body,
+        bytes_in=len(body), bytes_out=bytes_out).returning(Exchange.id)).scalar_one()
+
+
+def after(c: Connection, run_id: int, version: int, *, after_id: int) -> list[Row]:
+    """(id, body, worker_id) of the run's exchanges that followed `version`, newer than `after_id`, by id."""
+    return list(c.execute(select(Exchange.id, Exchange.body, Exchange.worker_id).where(
+        Exchange.run_id == run_id, Exchange.after_version == version, Exchange.id > after_id)
+        .order_by(Exchange.id)))
+
+
+def drop_bodies(c: Connection, run_id: int, *, from_version: int, before_version: int) -> None:
+    """Empty the bodies of the exchanges that followed versions from..before (their rows stay: they
+    are counted, and keep a retried exchange from being applied twice)."""
+    c.execute(update(Exchange).where(Exchange.run_id == run_id, Exchange.after_version >= from_version,
+                                     Exchange.after_version < before_version).values(body=b""))

@@ -1,0 +1,19 @@
+"""The coordinator's operations, one service per resource; the routes (coordinator/api/) call these.
+
+    coordinator.py  Coordinator: builds the services, holds what they share, close()
+    runs.py         RunService: create (the operator's), list, config, pause / resume
+    recovery.py     RecoveryService: live models from checkpoints and a replay, the reference round,
+                    the newest snapshot, pruning what every kept checkpoint holds
+    workers.py      WorkerService: register, authenticate, list / revoke / readmit, standing (trust)
+    leases.py       LeaseService: grant (the SQL shard pick), renew, release, expire
+    downloads.py    DownloadService: snapshots, model updates, shards
+    uploads.py      UploadService: precheck, accept (validate, stage, acknowledge)
+    exchanges.py    ExchangeService: sparse exchanges (sparta) with the live model
+    reports.py      ReportService: evaluate, status, the dashboard, /metrics' numbers
+    live.py         LiveRuns: the live models this process holds, leadership, each run's tensor schema
+    common.py       Caller (the worker a request comes from) and small shared checks
+
+Every operation validates first and changes nothing on a refusal. Deltas are acknowledged only
+after their bytes are fsynced and their row committed. Each service reaches the database one way:
+the typed statements of coordinator/queries/ on a Connection.
+"""

@@ -1,0 +1,104 @@
+"""Downloads: model snapshots, model updates (the int8 change between two kept versions) and shards."""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+
+from coordinator.db import Database
+from coordinator.errors import Forbidden, Gone, NotFound, Unprocessable
+from coordinator.queries import runs as run_rows
+from coordinator.queries import versions as version_rows
+from coordinator.services.common import Caller, named_run
+from coordinator.services.live import LiveRuns
+from coordinator.storage import Storage
+from coordinator.traffic import Traffic
+from shared import codec
+from shared.algorithms import sync
+from shared.config import RunConfig
+from shared.snapshot import decode_snapshot
+
+
+class DownloadService:
+    def __init__(self, db: Database, storage: Storage, *, traffic: Traffic, live: LiveRuns) -> None:
+        self.db, self.storage, self.traffic, self.live = db, storage, traffic, live
+        # one model update built at a time in this process: a build holds two decoded snapshots and
+        # seconds of CPU, and the workers that held the same version ask for the same update at once;
+        # those waiting read the blob the first one built
+        self._update_build_lock = threading.Lock()
+        self.updates_built = 0  # builds in this process (tests and operators: misses, not requests)
+
+    def snapshot(self, run_name: str, version: str | int, *,
+                 if_none_match: str | None = None) -> tuple[bytes | None, int, str]:
+        """(blob, version, sha256); blob is None when `if_none_match` is the current ETag (nothing sent or counted)."""
+        with self.db.read() as c:
+            row = named_run(version_rows.snapshot_of(c, run_name, None if version == "latest" else int(version)),
+                            run_name)
+        v = row.version
+        if row.sha256 is None:
+            if 0 <= v <= row.run_version:
+                raise Gone(f"version {v} is no longer kept; fetch snapshots/latest")
+            raise NotFound(f"run {run_name!r} has no version {v} (latest is {row.run_version})")
+        if if_none_match == f'"{row.sha256}"':
+            return None, v, row.sha256
+        try:
+            blob = self.storage.read(self.storage.snapshot(row.run_id, v))
+        except FileNotFoundError:
+            raise Gone(f"version {v} is no longer kept; fetch snapshots/latest") from None
+        self.traffic.add(row.run_id, down_model=len(blob))
+        return blob, v, row.sha256
+
+    def model_update(self, run_name: str, from_version: int, to_version: int) -> tuple[bytes, str]:
+        """(blob, sha256): the change from one kept version to a later one, int8 or int4 by the run's
+        update_values (shared/algorithms/sync.py).
+
+        Built once per (from, to) and kept beside the snapshots, so the workers that hold the same
+        version share it: one build at a time per process, and requests arriving during a build of
+        their pair wait for its blob instead of building it again. A version that is no longer kept
+        answers 410 (fetch the full snapshot)."""
+        if to_version <= from_version:
+            raise Unprocessable(f"an update goes forward: {from_version} -> {to_version} does not")
+        with self.db.read() as c:
+            run = named_run(run_rows.by_name(c, run_name), run_name)
+            if to_version > run.version:
+                raise NotFound(f"run {run_name!r} has no version {to_version} (latest is {run.version})")
+            kept = version_rows.kept(c, run.id, [from_version, to_version])
+        if len(kept) < 2:
+            missing = from_version if from_version not in kept else to_version
+            raise Gone(f"version {missing} is no longer kept; fetch snapshots/{to_version} instead")
+        name = self.storage.update(run.id, from_version, to_version)
+        try:
+            blob = self.storage.read(name)
+        except FileNotFoundError:
+            with self._update_build_lock:
+                try:  # built by another request while this one waited
+                    blob = self.storage.read(name)
+                except FileNotFoundError:
+                    blob = self.build_update(run.id, run.config_json, from_version, to_version)
+                    self.storage.write(name, blob)
+                    self.updates_built += 1
+        self.traffic.add(run.id, down_model=len(blob))
+        return blob, hashlib.sha256(blob).hexdigest()
+
+    def build_update(self, run_id: int, config_json: str, from_version: int, to_version: int) -> bytes:
+        """The encoded change from one version's snapshot to another's."""
+        schema = self.live.schema_of(run_id)
+        try:
+            old, _ = decode_snapshot(self.storage.read(self.storage.snapshot(run_id, from_version)), schema=schema)
+            new, _ = decode_snapshot(self.storage.read(self.storage.snapshot(run_id, to_version)), schema=schema)
+        except FileNotFoundError:
+            raise Gone(f"a snapshot between {from_version} and {to_version} is no longer kept; "
+                       f"fetch snapshots/{to_version} instead") from None
+        values = RunConfig.model_validate_json(config_json).update_values  # parsed only on a miss
+        return codec.encode(sync.model_update(old, new, from_version=from_version, values=values))
+
+    def shard(self, run_name: str, shard_index: int, worker: Caller) -> tuple[bytes, str]:
+        with self.db.read() as c:
+            row = named_run(version_rows.shard_of(c, run_name, shard_index), run_name)
+        if worker.run_id != row.run_id:
+            raise Forbidden(f"this worker is registered with another run, not {run_name!r}")
+        if row.sha256 is None:
+            raise NotFound(f"run {run_name!r} has no shard {shard_index}")
+        blob = self.storage.read(self.storage.shard(row.run_id, row.index))
+        self.traffic.add(row.run_id, worker.id, down_data=len(blob))
+        return blob, row.sha256

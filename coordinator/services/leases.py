@@ -1,0 +1,201 @@
+"""Leases: grant (a shard and the model version to train it from), renew while the round progresses,
+give up, and expire the ones past their deadline."""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from datetime import datetime
+
+from sqlalchemy import Connection, Executable, Row
+
+from coordinator import scheduler, timing
+from coordinator.db import Database
+from coordinator.errors import Conflict, Forbidden, Gone, TooManyRequests, Unprocessable
+from coordinator.models import utcnow
+from coordinator.queries import leases as lease_rows
+from coordinator.queries import runs as run_rows
+from coordinator.queries import workers as worker_rows
+from coordinator.ratelimit import RateLimiter
+from coordinator.services.common import Caller, aware, named_run, owned, rate_limit
+from coordinator.services.workers import WorkerService
+from coordinator.settings import CoordinatorSettings
+from shared import protocol
+from shared.algorithms.inner import scheduled_lr
+from shared.config import RunConfig
+
+log = logging.getLogger(__name__)
+
+
+class Retry(enum.Enum):
+    AGAIN = "again"  # nothing claimed, but a shard may be free in a moment: commit and ask again
+
+
+def pick_shard(c: Connection, claim: Executable, run_id: int, epoch: int) -> Row | None | Retry:
+    """Claim the run's next shard (queries.leases.claim_statement: the least-trained pending one, lowest
+    index on ties): (id, index, sha256). Only when no pending shard was free does it look further:
+    Retry.AGAIN when pending shards were only being claimed that instant, or when every shard was
+    done and this call opened the next epoch (all pending again); None while the rest are all out on
+    lease (or the run has no shard)."""
+    claimed = lease_rows.claim(c, claim, run_id)
+    if claimed is not None:
+        return claimed
+    states = lease_rows.shard_states(c, run_id)
+    if states.get("pending"):  # pending rows exist but others hold them this instant
+        return Retry.AGAIN
+    if not states or states.get("leased"):
+        return None
+    run_rows.open_epoch(c, run_id, epoch)  # every shard done: one request opens the next epoch, all then pick again
+    return Retry.AGAIN
+
+
+class LeaseService:
+    EXPIRE_EVERY_S = 0.5  # a lease request sweeps expired leases at most this often (per process)
+    ADDRESS_RETRY_S = 30.0  # Retry-After for an address at its lease cap: a round's length is unknown here
+
+    def __init__(self, db: Database, settings: CoordinatorSettings, *, limiter: RateLimiter,
+                 workers: WorkerService) -> None:
+        self.db, self.settings, self.limiter, self.workers = db, settings, limiter, workers
+        self._claim = lease_rows.claim_statement(skip_locked=db.skip_locked)
+        self._expired_at = float("-inf")  # monotonic time of the last expiry sweep in this process
+
+    def expire(self, now: datetime | None = None) -> int:
+        """Return the shards of leases past their deadline to the queue."""
+        self._expired_at = time.monotonic()
+        now = now or utcnow()
+        with self.db.begin() as c:
+            dead = lease_rows.past_deadline(c, now)
+            for lease_id, worker_id, shard_id in dead:
+                log.info("lease %d of worker %d expired; its shard goes back to the queue", lease_id, worker_id)
+                lease_rows.end_lease(c, lease_id, shard_id, "expired")
+            return len(dead)
+
+    def grant(self, run_name: str, worker: Caller, *, keep: int | None = None,
+              client: str | None = None) -> protocol.Lease | None:
+        """A new lease for `worker`. Its earlier live leases are given up (it restarted or lost them),
+        except `keep`: the one whose delta it is still uploading while it trains the next round.
+        `client`: the requester's address (ratelimit.client_key): one address holds at most
+        settings.max_leases_per_address live leases of a run (429 past it), so tokens minted from
+        one address cannot take every shard. None: no work right now."""
+        rate_limit(self.limiter, "lease", worker)
+        if time.monotonic() - self._expired_at >= self.EXPIRE_EVERY_S:  # the merger sweeps too, every second
+            with timing.phase("expire"):
+                self.expire()
+        with timing.phase("lease"):
+            cfg: RunConfig | None = None
+            for _ in range(16):
+                # One transaction: give up the worker's earlier leases, claim a shard, insert the lease.
+                with self.db.connect() as c:
+                    run = named_run(run_rows.for_lease(c, run_name), run_name)
+                    if cfg is None:  # the first attempt checks the request
+                        cfg = self._admit(c, run, worker, keep)
+                        if cfg is None:
+                            return None
+                    got = self._try(c, run, cfg, worker, keep, client)
+                    if got is not Retry.AGAIN:
+                        return got
+            return None  # lost every race this time; the worker asks again after Retry-After
+
+    def _admit(self, c: Connection, run: Row, worker: Caller, keep: int | None) -> RunConfig | None:
+        """The request's checks (403, 429 while throttled, `keep` the worker's own); None: the run is paused."""
+        if worker.run_id != run.id:
+            raise Forbidden(f"this worker is registered with another run, not {run.name!r}")
+        if run.state != "active":
+            return None
+        cfg = RunConfig.model_validate_json(run.config_json)
+        self.workers.check_throttle(c, worker, cfg)
+        if keep is not None:
+            owned(lease_rows.owner(c, keep), keep, worker)
+        return cfg
+
+    def _try(self, c: Connection, run: Row, cfg: RunConfig, worker: Caller, keep: int | None,
+             client: str | None) -> protocol.Lease | None | Retry:
+        """One attempt, committed (or rolled back) here."""
+        # A worker asking again has given up its previous lease (it restarted, or lost it), unless it
+        # says the lease's delta is on its way.
+        lease_rows.abandon_others(c, worker.id, keep=keep)
+        if client is not None:  # counted after the worker's own earlier leases were given up
+            held = lease_rows.of_client(c, run.id, client, utcnow())
+            if held >= self.settings.max_leases_per_address:
+                c.rollback()  # nothing changes: the earlier leases stay live
+                raise TooManyRequests(
+                    f"address {client} holds {held} live leases of run {run.name!r}, the most one address "
+                    f"may hold (max_leases_per_address); ask again when one of them is delivered",
+                    retry_after=self.ADDRESS_RETRY_S)
+        claimed = pick_shard(c, self._claim, run.id, run.epoch)
+        if not isinstance(claimed, Row):
+            c.commit()
+            return claimed
+        now = utcnow()
+        worker_rows.leased(c, worker.id, now)
+        lr = scheduled_lr(cfg.inner, tokens_done=run.tokens_trained, schedule_tokens=cfg.schedule_tokens)
+        deadline = scheduler.lease_deadline(now, cfg.lease_ttl_s)
+        lease_id, base_version = lease_rows.insert_lease(c, run_id=run.id, worker_id=worker.id, shard_id=claimed.id,
+                                                         lr=lr, deadline=deadline, now=now, client=client)
+        seed = scheduler.lease_seed(cfg.seed, lease_id)
+        lease_rows.set_seed(c, lease_id, seed)
+        c.commit()
+        return protocol.Lease(
+            lease_id=lease_id, run=run.name, shard_id=claimed.index, shard_sha256=claimed.sha256,
+            base_version=base_version, seed=seed, lr=lr, inner=cfg.inner,
+            compression=cfg.compression, model=cfg.model.to_dict(), deadline=deadline,
+            algorithm=cfg.algorithm, sparta=cfg.sparta, init_seed=cfg.seed)
+
+    def renew(self, lease_id: int, worker: Caller, *, step: int | None = None,
+              now: datetime | None = None) -> protocol.LeaseRenewed:
+        """Push a live lease's deadline to now + lease_ttl_s while its round progresses (a slow machine
+        still training keeps its shard): `step`, the round's local step, must be past the one the last
+        renewal reported (409 otherwise), and the deadline never passes the lease's lifetime
+        (scheduler.lease_lifetime_s: a few of the run's expected rounds, at most max_lease_lifetime_s;
+        409 once there), so no one holds a shard for ever. 410 once it expired or was given up (its
+        shard may be someone else's by now)."""
+        rate_limit(self.limiter, "lease", worker)
+        now = now or utcnow()
+        with self.db.begin() as c:
+            lease = owned(lease_rows.by_id(c, lease_id), lease_id, worker)
+            if lease.state != "active" or aware(lease.deadline) <= now:
+                state = "expired" if lease.state == "active" else lease.state
+                raise Gone(f"lease {lease_id} is {state}; it can no longer be renewed")
+            cfg = RunConfig.model_validate_json(run_rows.by_id(c, lease.run_id).config_json)
+            self._check_progress(lease, cfg, worker, step)
+            round_times = [(aware(received) - aware(created)).total_seconds()
+                           for received, created in lease_rows.recent_rounds(c, lease.run_id)]
+            lifetime_s = scheduler.lease_lifetime_s(round_times, lease_ttl_s=cfg.lease_ttl_s,
+                                                    rounds=self.settings.lease_lifetime_rounds,
+                                                    cap_s=self.settings.max_lease_lifetime_s)
+            deadline = scheduler.renewed_deadline(now, created_at=aware(lease.created_at), ttl_s=cfg.lease_ttl_s,
+                                                  lifetime_s=lifetime_s)
+            if deadline <= aware(lease.deadline):
+                raise Conflict(f"lease {lease_id} has lived its lifetime of {lifetime_s:.0f} s (a few of this run's "
+                               f"expected rounds) and is not renewed again: deliver by its deadline "
+                               f"{aware(lease.deadline).isoformat()}, after which its shard goes to another worker")
+            if not lease_rows.renew(c, lease_id, deadline=deadline, step=step):  # expired by the sweep a moment ago
+                raise Gone(f"lease {lease_id} expired; it can no longer be renewed")
+            return protocol.LeaseRenewed(lease_id=lease_id, deadline=deadline)
+
+    def _check_progress(self, lease: Row, cfg: RunConfig, worker: Caller, step: int | None) -> None:
+        """A renewal reports the round's local step, within the round and past the last renewal's."""
+        if step is None:
+            raise Unprocessable(f"renewing lease {lease.id} needs the round's local step (?step=N): a lease "
+                                "is renewed only while its round progresses; update the worker")
+        if step > cfg.inner.steps:
+            reason = (f"renewal of lease {lease.id} reports local step {step}, but the run's rounds have "
+                      f"{cfg.inner.steps} steps")
+            self.workers.count_refusal(worker.id, lease.run_id, 0, reason=reason, kind="renew")
+            raise Unprocessable(reason)
+        if step <= lease.progress_step:
+            raise Conflict(f"lease {lease.id}: no progress since its last renewal (step {step}; that one "
+                           f"reported step {lease.progress_step}); a lease is renewed only while its round moves")
+
+    def release(self, lease_id: int, worker: Caller) -> None:
+        """The worker gives a live lease up (it stops before training it): its shard goes back to the
+        queue now instead of at the deadline. Giving up a lease already given up or expired changes
+        nothing; 409 for one whose delta was delivered."""
+        rate_limit(self.limiter, "lease", worker)
+        with self.db.begin() as c:
+            lease = owned(lease_rows.by_id(c, lease_id), lease_id, worker)
+            if lease.state == "delivered":
+                raise Conflict(f"lease {lease_id} delivered its delta; there is nothing to give up")
+            if lease.state == "active":
+                lease_rows.end_lease(c, lease_id, lease.shard_id, "abandoned")
