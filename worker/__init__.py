@@ -1,17 +1,35 @@
 """The volunteer's worker: pulls work, trains locally (CPU, CUDA or MPS), pushes deltas.
 It only ever connects outward, and it minds its host.
 
-    settings.py  WorkerSettings (flags > IDLETRAIN_WORKER_* variables > worker.toml > defaults)
-    client.py    CoordinatorClient: the only module that speaks HTTP (httpx); paced, metered, capped
-    trainer.py   LocalTrainer: one round of local steps -> encoded delta (no network); device pick;
-                 a gate between steps for pauses
-    state.py     StateStore: the round in flight and any unsent delta, saved atomically for resume
-    loop.py      Worker: lease -> snapshot -> shard -> train -> push; token store, shard cache, Ctrl-C
-    memory.py    how large a model this machine trains (--max-params' default); leases sized on meta
-    policy.py    may it train now, and if not why: one pure function (idle, battery, cap, pause)
-    host.py      what the machine does: input idle time, battery, CPU load (parsers + readers)
-    governor.py  runs the policy while the worker works: waits, pauses mid-round, lets leases go
-    throttle.py  token buckets for --max-*-kbps; the daily transfer count, kept across restarts
-    control.py   the local control channel: control.json (pause/resume) and status.json
-    progress.py  live numbers, a rich panel on a terminal, plain log lines elsewhere
+    settings.py     WorkerSettings (flags > IDLETRAIN_WORKER_* variables > worker.toml > defaults)
+    client.py       CoordinatorClient: the only module that speaks HTTP (httpx); paced, metered, capped
+    loop.py         Worker: the round it runs, stage by stage (below), until stopped; run_worker()
+
+  a round's stages, in order
+    connection.py   the coordinator reached: /healthz until it answers, its API version, the token
+    downloads.py    the lease checked (untrusted), its base model kept current, its shard fetched
+    trainer.py      LocalTrainer: one round of local steps -> encoded delta (no network); device pick;
+                    the step hook (StepHook) with a gate between steps for pauses
+    exchanges.py    sparta's exchanges during a round, on a background thread
+    saver.py        when the local state is written (checkpoints, the delta before its upload)
+    delivery.py     the delta uploaded (with overlap, in the background), the answer settled
+    prefetch.py     the next lease, base model and shard fetched near a round's end (lease_ahead)
+    ledger.py       this worker's own deltas that a new lease's base does not hold yet (diloco)
+    recovery.py     at start and after an outage: unsent deltas first, then the interrupted round
+
+  local state
+    state.py        StateStore: the round in flight and any unsent delta, saved atomically for resume
+    caches.py       TokenStore (credentials per coordinator and run), ShardCache (shards by hash)
+
+  manners
+    memory.py       how large a model this machine trains (--max-params' default); leases sized on meta
+    policy.py       may it train now, and if not why: one pure function (idle, battery, cap, pause)
+    host.py         what the machine does: input idle time, battery, CPU load (parsers + readers)
+    governor.py     runs the policy while the worker works: waits, pauses mid-round, lets leases go
+    lease_keeper.py renews the lease while its round makes progress
+    throttle.py     token buckets for --max-*-kbps; the daily transfer count, kept across restarts
+    control.py      the local control channel: control.json (pause/resume), status.json, Ctrl-C
+    progress.py     live numbers, a rich panel on a terminal, plain log lines elsewhere
+
+    distributed.py  one worker over several local processes (torchrun): rank 0 leads, the others follow
 """

@@ -78,6 +78,16 @@ def is_transient(exc: BaseException) -> bool:
     return False
 
 
+LEASE_LOST = (404, 409, 410)  # the lease is gone, delivered otherwise, or too stale: take a new one
+
+
+def why(exc: BaseException) -> str:
+    """A failure as a log line says it: the coordinator's status and detail, else the exception."""
+    if isinstance(exc, CoordinatorError):
+        return f"HTTP {exc.status}: {exc.detail}"
+    return repr(exc)
+
+
 class IntegrityError(Exception):
     """A download does not match its announced hash or size."""
 

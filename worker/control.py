@@ -12,6 +12,9 @@ worker/state.py), never through a network port:
 Files rather than a Unix socket: nothing listens, both sides survive the other's restart, the
 permissions are those of the state folder, and a worker blocked in a long step still takes the
 order at its next step. Both are replaced atomically (temp file, rename), never fsynced.
+
+Ctrl-C (or SIGTERM) is the other order: StopFlag, set by the first one (finish the lease, deliver
+it, exit); the second one quits at once.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import dataclasses
 import json
 import logging
 import os
+import signal
 import threading
 from datetime import UTC, datetime
 from pathlib import Path
@@ -75,6 +79,23 @@ class ControlFile:
 
     def request(self, *, paused: bool) -> None:
         _write_json(self.path, {"format": FORMAT, "paused": paused, "at": now_iso()})
+
+
+class StopFlag:
+    """Set by the first SIGINT/SIGTERM; the second one interrupts at once."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+
+    def install(self) -> None:
+        def handler(signum, _frame):
+            if self.event.is_set():
+                raise KeyboardInterrupt
+            log.warning("stopping after the current lease (press Ctrl-C again to quit now)")
+            self.event.set()
+
+        signal.signal(signal.SIGINT, handler)
+        signal.signal(signal.SIGTERM, handler)
 
 
 @dataclasses.dataclass

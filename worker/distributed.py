@@ -46,6 +46,7 @@ import torch.distributed as dist
 
 from shared import protocol
 from shared.algorithms.inner import make_optimizer, run_steps
+from shared.algorithms.registry import ALGORITHMS
 from shared.config import InnerConfig
 from shared.model import ModelConfig, TransformerLM, build_model, get_params, set_params
 from worker.state import OptimizerState, load_optimizer_state, optimizer_state
@@ -195,7 +196,7 @@ class Session:
 
     def check_lease(self, lease: protocol.Lease) -> None:
         """What several processes cannot train: a clear error before anything moves."""
-        if "sparta" in lease.algorithm:
+        if ALGORITHMS[lease.algorithm].exchanges:
             raise RuntimeError(f"lease {lease.lease_id}: run {lease.run!r} uses {lease.algorithm}, whose exchanges "
                                f"this worker of {self.world} processes cannot apply on every rank alike; run "
                                "`idletrain worker run` as one process (without torchrun) for this run")
@@ -343,8 +344,9 @@ class LeadTrainer(LocalTrainer):
         self.session.check_lease(lease)
         return super().train_round(lease, base, tokens, **kwargs)
 
-    def _run_steps(self, lease: protocol.Lease, tokens: torch.Tensor, *, steps: int, generator: torch.Generator,
-                   step_offset: int, on_step: Callable[[int, float], None]) -> list[float]:
+    def run_local_steps(self, lease: protocol.Lease, tokens: torch.Tensor, *, steps: int,
+                        generator: torch.Generator, step_offset: int,
+                        on_step: Callable[[int, float], None]) -> list[float]:
         sync = self.session.lead_round(lease, self.model, self.opt, self.inner_cfg, tokens, steps=steps,
                                        generator=generator, step_offset=step_offset)
         try:

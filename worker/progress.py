@@ -16,11 +16,13 @@ import logging
 import sys
 import time
 from collections.abc import Callable
+from datetime import datetime
 from typing import Protocol, TextIO
 
 from shared import protocol
+from shared.algorithms.registry import ALGORITHMS
 from worker.control import WorkerStatus
-from worker.policy import format_duration
+from worker.policy import Verdict, format_duration
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +106,7 @@ class Progress:
     def start_round(self, lease: protocol.Lease, *, context: int, step: int = 0) -> None:
         self.lease, self.step, self.steps, self.loss = lease, step, lease.inner.steps, None
         self._tokens_per_step = lease.inner.batch_size * context
-        self._exchange_every = lease.sparta.every if "sparta" in lease.algorithm else 0
+        self._exchange_every = lease.sparta.every if ALGORITHMS[lease.algorithm].exchanges else 0
         self._marks.clear()
         self._marks.append((self.clock(), step))
         self.phase = "training"
@@ -149,6 +151,22 @@ class Progress:
             target = min(target, (self.step // self._exchange_every + 1) * self._exchange_every)
         rate = self.steps_per_s()
         return target, ((target - self.step) / rate if rate else None)
+
+    def status(self, paused: Verdict | None, paused_since: datetime | None, **fields) -> WorkerStatus:
+        """What status.json and the display show now: these numbers, the governor's pause if any,
+        and `fields` (who the worker is, what it counted)."""
+        lease = self.lease
+        state = self.phase if self.phase == "stopped" or paused is None else "paused"
+        nxt = self.next_sync() if lease is not None and paused is None else None
+        return WorkerStatus(
+            state=state, reason=paused.reason if state == "paused" else self.wait_reason,
+            pause_kind=paused.kind if state == "paused" else "",
+            lease=lease.lease_id if lease is not None else None, step=self.step if lease is not None else 0,
+            steps=self.steps if lease is not None else 0, loss=self.loss if lease is not None else None,
+            tokens_per_s=self.tokens_per_s() if lease is not None and state == "training" else None,
+            next_sync_in_s=nxt[1] if nxt is not None else None,
+            paused_since=paused_since.isoformat(timespec="seconds") if state == "paused" and paused_since else None,
+            **fields)
 
 
 def _mb(n: int) -> str:

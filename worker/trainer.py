@@ -4,9 +4,9 @@ The trainer keeps what DiLoCo keeps between rounds on a worker: the inner AdamW 
 error-feedback residual (what earlier rounds computed but did not send).
 
 With the sparta algorithms it also exchanges a few parameters with the global model while it
-trains, through an injected `exchange(step, body) -> answer` callable (the loop binds it to the
-HTTP client): the values are selected on the training thread, sent and answered on a background
-thread, and the answer (a correction) is applied between later steps, so training never waits.
+trains, through an injected `exchange(step, body) -> answer` callable (worker/exchanges.py: sent
+and answered on a background thread, the correction applied between later steps, so training
+never waits).
 With `sparta` alone the worker's replica is never reset to a snapshot (only the first lease, or a
 new model shape, loads one) and a round ends with an empty delta; `sparta+diloco` resets to the
 lease's snapshot and ends with the compressed pseudo-gradient, as `diloco` does.
@@ -32,9 +32,9 @@ from collections.abc import Callable, Mapping
 import torch
 
 from shared import codec, protocol
-from shared.algorithms import sparta
 from shared.algorithms.compress import compress_with_feedback, delta_to_tensors
 from shared.algorithms.inner import make_optimizer, pseudo_gradient, run_steps
+from shared.algorithms.registry import ALGORITHMS, End, Start
 from shared.config import InnerConfig
 from shared.model import (
     ModelConfig,
@@ -44,12 +44,11 @@ from shared.model import (
     param_schema,
     set_params,
 )
+from worker.exchanges import ExchangeFn, RoundExchanges
 from worker.state import RoundState, TrainerState, load_optimizer_state, optimizer_state
 
 log = logging.getLogger(__name__)
 
-ALGORITHMS = ("diloco", "sparta", "sparta+diloco")
-ExchangeFn = Callable[[int, bytes], bytes]  # (step, encoded values) -> encoded correction
 CheckpointFn = Callable[[TrainerState], None]
 # (step just done, save the round now) -> go on? Called between steps; may block while paused.
 GateFn = Callable[[int, Callable[[], None]], bool]
@@ -92,79 +91,43 @@ class RoundResult:
     resumed_at: int = 0  # the local step this call resumed from (0: the round started here)
 
 
-class _RoundExchanges:
-    """The exchanges of one round. select() and apply_correction() run on the training thread,
-    between steps; encoding, the request and decoding run on the trainer's background thread."""
+class StepHook:
+    """What runs after each local step of one round (run_steps' on_step): the loss kept, the sparta
+    exchanges moved on, the caller's on_step, a checkpoint every `checkpoint_every` steps, and the
+    gate, which may block (paused) and may end the round (RoundSuspended)."""
 
-    def __init__(self, pool: concurrent.futures.Executor, lease: protocol.Lease, params: dict[str, torch.Tensor],
-                 exchange: ExchangeFn, max_in_flight: int) -> None:
-        self.pool, self.lease, self.params, self.exchange = pool, lease, params, exchange
-        self.schema = {n: tuple(t.shape) for n, t in params.items()}
-        self.max_in_flight = max_in_flight
-        self.pending: list[tuple[int, concurrent.futures.Future]] = []
-        self.applied = self.failed = self.skipped = self.bytes_up = self.bytes_down = 0
-        self.stopped: str | None = None  # why no more exchanges are sent this round
+    def __init__(self, lease: protocol.Lease, *, start: int, losses: list[float], generator: torch.Generator,
+                 round_base: dict[str, torch.Tensor] | None, exchanges: RoundExchanges | None,
+                 on_step: Callable[[int, float], None] | None, export: Callable[[RoundState], TrainerState],
+                 checkpoint: CheckpointFn | None, checkpoint_every: int, gate: GateFn | None) -> None:
+        self.lease, self.start, self.losses, self.generator = lease, start, losses, generator
+        self.round_base, self.exchanges, self.on_step, self.export = round_base, exchanges, on_step, export
+        self.checkpoint, self.checkpoint_every, self.gate = checkpoint, checkpoint_every, gate
+        self.saved_at = start  # the step of the last checkpoint this call made (or resumed from)
+        self.gated_s = 0.0  # time spent in the gate (paused): not training time
 
-    def after_step(self, step: int) -> None:
-        self.apply_finished()
-        cfg = self.lease.sparta
-        if step % cfg.every or self.stopped:
-            return
-        if len(self.pending) >= self.max_in_flight:
-            self.skipped += 1
-            log.debug("lease %d: exchange after step %d skipped, %d still in flight",
-                      self.lease.lease_id, step, len(self.pending))
-            return
-        sent = sparta.select(self.params, p=cfg.p, seed=sparta.exchange_seed(self.lease.seed, step),
-                             values=cfg.values, base_version=self.lease.base_version)
-        self.pending.append((step, self.pool.submit(self._send, step, sent)))
+    def save(self, step: int) -> None:
+        if self.checkpoint is not None and self.saved_at != step:
+            self.checkpoint(self.export(RoundState(lease=self.lease, step=step, losses=list(self.losses),
+                                                   generator=self.generator.get_state(), base=self.round_base)))
+            self.saved_at = step
 
-    def _send(self, step: int, sent: codec.Delta) -> tuple[int, int, codec.Delta]:
-        body = codec.encode(sent)
-        answer = self.exchange(step, body)
-        correction = codec.decode(answer, schema=self.schema)
-        expected = {(e.name, e.seed, e.k) for e in sent.entries}
-        if {(e.name, e.seed, e.k) for e in correction.entries} != expected or any(
-                e.index_kind != codec.IndexKind.SEEDED for e in correction.entries):
-            raise ValueError("the correction does not match the exchanged indices")
-        return len(body), len(answer), correction
-
-    def apply_finished(self) -> None:
-        still = []
-        for step, fut in self.pending:
-            if not fut.done():
-                still.append((step, fut))
-                continue
-            try:
-                up, down, correction = fut.result()
-            except Exception as exc:  # noqa: BLE001 -- a refused or failed exchange costs only itself
-                self._failed(step, exc)
-                continue
-            sparta.apply_correction(self.params, correction)
-            self.applied += 1
-            self.bytes_up += up
-            self.bytes_down += down
-        self.pending = still
-
-    def _failed(self, step: int, exc: Exception) -> None:
-        self.failed += 1
-        status = getattr(exc, "status", None)  # the client's CoordinatorError; the trainer stays network-free
-        if status in (403, 404, 410) and self.stopped is None:  # the lease is gone: stop asking this round
-            self.stopped = str(exc)
-        level = logging.WARNING if self.failed == 1 else logging.DEBUG
-        log.log(level, "lease %d: exchange after step %d failed (skipped): %s", self.lease.lease_id, step, exc)
-
-    def finish(self, timeout_s: float) -> None:
-        """Wait (bounded) for the answers still in flight and apply them; drop the rest."""
-        if self.pending:
-            concurrent.futures.wait([f for _, f in self.pending], timeout=timeout_s)
-        self.apply_finished()
-        for step, fut in self.pending:
-            fut.cancel()
-            self.failed += 1
-            log.warning("lease %d: exchange after step %d unanswered after %.0f s; dropped",
-                        self.lease.lease_id, step, timeout_s)
-        self.pending = []
+    def __call__(self, i: int, loss: float) -> None:
+        step = self.start + i  # the lease's step number
+        total = self.lease.inner.steps
+        self.losses.append(loss)
+        if self.exchanges is not None:
+            self.exchanges.after_step(step)
+        if self.on_step is not None:
+            self.on_step(step, loss)
+        if self.checkpoint_every > 0 and step % self.checkpoint_every == 0 and step < total:
+            self.save(step)
+        if self.gate is not None and step < total:
+            t_gate = time.perf_counter()
+            go_on = self.gate(step, lambda: self.save(step))
+            self.gated_s += time.perf_counter() - t_gate
+            if not go_on:
+                raise RoundSuspended(self.lease.lease_id, step)
 
 
 class LocalTrainer:
@@ -195,7 +158,7 @@ class LocalTrainer:
             self._pool = None
 
     def _ensure_model(self, lease: protocol.Lease) -> TransformerLM:
-        cfg = ModelConfig.from_dict(lease.model)
+        cfg = lease.model
         if self.model is None or cfg != self.model_cfg:
             self.model = build_model(cfg).to(self.device)
             self.model_cfg = cfg
@@ -205,10 +168,11 @@ class LocalTrainer:
         return self.model
 
     def needs_snapshot(self, lease: protocol.Lease) -> bool:
-        """Whether train_round needs the lease's snapshot: always, except with `sparta` once this
-        worker holds a replica of the same model (SPARTA replicas are never reset)."""
-        return not (lease.algorithm == "sparta" and self._replica and self.model is not None
-                    and ModelConfig.from_dict(lease.model) == self.model_cfg)
+        """Whether train_round needs the lease's snapshot: always, except when the algorithm starts
+        from the worker's replica (sparta) and this worker holds one of the same model (such replicas
+        are never reset)."""
+        return not (ALGORITHMS[lease.algorithm].starts_from is Start.REPLICA and self._replica
+                    and self.model is not None and lease.model == self.model_cfg)
 
     def train_round(self, lease: protocol.Lease, base: Mapping[str, torch.Tensor] | None, tokens: torch.Tensor, *,
                     on_step: Callable[[int, float], None] | None = None,
@@ -235,16 +199,39 @@ class LocalTrainer:
         from the bare base instead, the round would learn those deltas' progress again and send it
         twice -- an overshoot the coordinator's screening sees as a delta pointing against the
         consensus (docs/BENCHMARKS.md)."""
-        if lease.algorithm not in ALGORITHMS:
-            raise ValueError(f"this worker does not know the algorithm {lease.algorithm!r} "
-                             f"(it knows {', '.join(ALGORITHMS)}): upgrade idletrain")
         t0 = time.perf_counter()
-        total = lease.inner.steps
+        start, base = self._start_round(lease, base, resume, ahead)
+        round_base = None if ALGORITHMS[lease.algorithm].ends_with is End.EMPTY else dict(base)
+        gen = torch.Generator().manual_seed(lease.seed)
+        if resume is not None:
+            gen.set_state(resume.generator.clone())
+        rx = self._exchanges(lease, exchange)
+        hook = StepHook(lease, start=start, losses=list(resume.losses) if resume is not None else [],
+                        generator=gen, round_base=round_base, exchanges=rx, on_step=on_step, export=self.export_state,
+                        checkpoint=checkpoint, checkpoint_every=checkpoint_every, gate=gate)
+        try:
+            self.run_local_steps(lease, tokens, steps=lease.inner.steps - start, generator=gen,
+                                 step_offset=self.steps_done + start, on_step=hook)
+        except BaseException:
+            if rx is not None:
+                rx.finish(0.0)
+            raise
+        if rx is not None:
+            rx.finish(self.exchange_wait_s)
+        self.steps_done += lease.inner.steps
+        return self._end_round(lease, base, hook, seconds=time.perf_counter() - t0 - hook.gated_s)
+
+    def _start_round(self, lease: protocol.Lease, base: Mapping[str, torch.Tensor] | None,
+                     resume: RoundState | None,
+                     ahead: Mapping[str, torch.Tensor] | None) -> tuple[int, Mapping[str, torch.Tensor] | None]:
+        """The model as the round's steps start: the base (minus `ahead`) loaded, or the replica or
+        the resumed round's progress kept. Returns (the step it starts after, the round's base)."""
+        algo = ALGORITHMS[lease.algorithm]
         start = 0
         if resume is not None:
             if resume.lease.lease_id != lease.lease_id:
                 raise ValueError(f"resume state is for lease {resume.lease.lease_id}, not {lease.lease_id}")
-            if self.model is None or ModelConfig.from_dict(lease.model) != self.model_cfg:
+            if self.model is None or lease.model != self.model_cfg:
                 raise ValueError(f"lease {lease.lease_id}: restore_state() the saved trainer before resuming")
             start = resume.step
             if base is None:
@@ -256,93 +243,58 @@ class LocalTrainer:
         if not keep:
             if base is None:
                 raise ValueError(f"lease {lease.lease_id} needs its snapshot (version {lease.base_version})")
-            if ahead and lease.algorithm == "diloco":
+            if ahead and algo.leases_ahead:
                 base = {n: t - ahead[n].to(t.device, t.dtype) if n in ahead else t for n, t in base.items()}
             set_params(model, {n: t.to(self.device) for n, t in base.items()})
-        if lease.algorithm != "sparta" and base is None:  # the pseudo-gradient is base - local
+        if algo.ends_with is End.PSEUDO_GRADIENT and base is None:  # the pseudo-gradient is base - local
             raise ValueError(f"lease {lease.lease_id} needs the snapshot it started from "
                              f"(version {lease.base_version})")
-        self._replica = lease.algorithm == "sparta"
-        round_base = None if lease.algorithm == "sparta" else dict(base)
+        self._replica = algo.starts_from is Start.REPLICA
+        return start, base
 
-        gen = torch.Generator().manual_seed(lease.seed)
-        if resume is not None:
-            gen.set_state(resume.generator.clone())
-        losses = list(resume.losses) if resume is not None else []
+    def _exchanges(self, lease: protocol.Lease, exchange: ExchangeFn | None) -> RoundExchanges | None:
+        """The round's sparta exchanges (None: diloco, or no exchange callable given)."""
+        if not ALGORITHMS[lease.algorithm].exchanges:
+            return None
+        if exchange is None:
+            log.warning("lease %d: %s without an exchange callable; training without exchanges",
+                        lease.lease_id, lease.algorithm)
+            return None
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="idletrain-exchange")
+        live = {n: p.detach() for n, p in self.model.named_parameters()}
+        # A resumed sparta round goes on exchanging from its resume step. Exchanges that were in
+        # flight at the interruption are lost, and those made after the last checkpoint are made
+        # again and refused (409): that costs only those corrections, never the round.
+        return RoundExchanges(self._pool, lease, live, exchange, self.max_exchanges_in_flight)
 
-        rx = None
-        if "sparta" in lease.algorithm:
-            if exchange is None:
-                log.warning("lease %d: %s without an exchange callable; training without exchanges",
-                            lease.lease_id, lease.algorithm)
-            else:
-                if self._pool is None:
-                    self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1,
-                                                                       thread_name_prefix="idletrain-exchange")
-                live = {n: p.detach() for n, p in model.named_parameters()}
-                rx = _RoundExchanges(self._pool, lease, live, exchange, self.max_exchanges_in_flight)
-                # A resumed sparta round goes on exchanging from its resume step. Exchanges that were in
-                # flight at the interruption are lost, and those made after the last checkpoint are made
-                # again and refused (409): that costs only those corrections, never the round.
-
-        saved_at = [start]  # the step of the last checkpoint this call made (or resumed from)
-        gated_s = [0.0]  # time spent in the gate (paused): not training time
-
-        def save(step: int) -> None:
-            if checkpoint is not None and saved_at[0] != step:
-                checkpoint(self.export_state(RoundState(lease=lease, step=step, losses=list(losses),
-                                                        generator=gen.get_state(), base=round_base)))
-                saved_at[0] = step
-
-        def step_hook(i: int, loss: float) -> None:
-            step = start + i  # the lease's step number
-            losses.append(loss)
-            if rx is not None:
-                rx.after_step(step)
-            if on_step is not None:
-                on_step(step, loss)
-            if checkpoint_every > 0 and step % checkpoint_every == 0 and step < total:
-                save(step)
-            if gate is not None and step < total:
-                t_gate = time.perf_counter()
-                go_on = gate(step, lambda: save(step))
-                gated_s[0] += time.perf_counter() - t_gate
-                if not go_on:
-                    raise RoundSuspended(lease.lease_id, step)
-
-        try:
-            self._run_steps(lease, tokens, steps=total - start, generator=gen,
-                            step_offset=self.steps_done + start, on_step=step_hook)
-        except BaseException:
-            if rx is not None:
-                rx.finish(0.0)
-            raise
-        if rx is not None:
-            rx.finish(self.exchange_wait_s)
-        self.steps_done += total
-
-        if lease.algorithm == "sparta":  # progress travelled through the exchanges; the empty delta closes the lease
+    def _end_round(self, lease: protocol.Lease, base: Mapping[str, torch.Tensor] | None, hook: StepHook, *,
+                   seconds: float) -> RoundResult:
+        """The round's delta, encoded (its error feedback kept in the residual), and its numbers."""
+        # End.EMPTY: progress travelled through the exchanges; the empty delta closes the lease
+        if ALGORITHMS[lease.algorithm].ends_with is End.EMPTY:
             delta = codec.Delta(base_version=lease.base_version, entries=())
             body = codec.encode(delta)
             self._last_sent = {}
         else:
-            pg = pseudo_gradient(base, get_params(model))
+            pg = pseudo_gradient(base, get_params(self.model))
             delta, self.residual = compress_with_feedback(pg, self.residual, lease.compression,
                                                           base_version=lease.base_version, round_seed=lease.seed)
             body = codec.encode(delta)
             self._last_sent = delta_to_tensors(delta, {n: tuple(t.shape) for n, t in pg.items()})
-        n_tokens = (total - start) * lease.inner.batch_size * model.cfg.context
+        rx = hook.exchanges
         return RoundResult(
-            body=body, losses=losses, tokens=n_tokens, seconds=time.perf_counter() - t0 - gated_s[0],
-            values_sent=sum(e.k for e in delta.entries),
+            body=body, losses=hook.losses, tokens=(lease.inner.steps - hook.start) * lease.inner.batch_size
+            * self.model.cfg.context, seconds=seconds, values_sent=sum(e.k for e in delta.entries),
             exchanges=rx.applied if rx else 0, exchanges_failed=rx.failed if rx else 0,
             exchanges_skipped=rx.skipped if rx else 0, exchange_bytes_up=rx.bytes_up if rx else 0,
-            exchange_bytes_down=rx.bytes_down if rx else 0, resumed_at=start)
+            exchange_bytes_down=rx.bytes_down if rx else 0, resumed_at=hook.start)
 
-    def _run_steps(self, lease: protocol.Lease, tokens: torch.Tensor, *, steps: int, generator: torch.Generator,
-                   step_offset: int, on_step: Callable[[int, float], None]) -> list[float]:
-        """The round's local steps on the model as it stands (worker/distributed.py overrides this
-        to run them across several processes)."""
+    def run_local_steps(self, lease: protocol.Lease, tokens: torch.Tensor, *, steps: int,
+                        generator: torch.Generator, step_offset: int,
+                        on_step: Callable[[int, float], None]) -> list[float]:
+        """The round's local steps on the model as it stands (worker/distributed.py's LeadTrainer
+        overrides this to run them across several processes)."""
         return run_steps(self.model, self.opt, tokens, lease.inner, lr=lease.lr, steps=steps, generator=generator,
                          step_offset=step_offset, on_step=on_step)
 

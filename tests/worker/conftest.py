@@ -5,6 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from worker import connection, downloads, loop
+
+
+def no_backoff(monkeypatch) -> None:
+    """The worker's backoff waits (the loop's, the connection's, the shard downloads') take no time."""
+    for mod in (loop, connection, downloads):
+        monkeypatch.setattr(mod, "backoff_delay", lambda attempt: 0.0)
+
 
 @pytest.fixture(scope="module", autouse=True)
 def one_thread():

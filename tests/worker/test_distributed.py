@@ -19,7 +19,7 @@ import torch
 import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
-from idletrain.demo import free_port, wait_healthy
+from idletrain.harness import free_port, wait_healthy
 from shared import protocol
 from shared.config import CompressionConfig, InnerConfig
 from shared.model import ModelConfig, build_model, get_params

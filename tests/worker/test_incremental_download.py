@@ -53,7 +53,7 @@ def test_rounds_after_the_first_download_only_the_change(api, run, tmp_path):
     assert [p.rsplit("/", 1)[1] for p in _gets(transport, "snapshots")] == ["0"]
     assert [p.split("/updates/")[1] for p in _gets(transport, "updates")] == ["0/1", "1/2"]
     # what the worker holds is version 2, up to the int4 rounding (the run's update_values) of each change
-    version, held = worker._snapshot
+    version, held = worker.downloads.held
     assert version == 2
     lease_model = api.lease(api.register())
     exact, _ = decode_snapshot(api.snapshot(2), schema=schema_of(lease_model))
@@ -88,12 +88,12 @@ def test_version_zero_is_built_from_the_run_seed_and_only_its_hash_checked(api, 
     worker, transport = _worker(api, tmp_path, rounds=1)
     lease = api.lease(api.register())
     assert lease.base_version == 0 and lease.init_seed is not None
-    params = worker._params(lease)
+    params = worker.downloads.base(lease)
     assert _gets(transport, "snapshots") == ["/api/v1/runs/t/snapshots/0"]
     assert worker.client.bytes_down == 0  # a 304: the coordinator's snapshot 0 has this copy's hash
     want, _ = decode_snapshot(api.snapshot(0), schema=schema_of(lease))
     assert all(torch.equal(params[n], want[n]) for n in want)
-    assert worker._snapshot[0] == 0
+    assert worker.downloads.held[0] == 0
 
 
 @pytest.mark.parametrize("seed", ["other", None])
@@ -102,7 +102,7 @@ def test_version_zero_is_downloaded_when_the_seed_does_not_give_it(api, run, tmp
     worker, transport = _worker(api, tmp_path, rounds=1)
     lease = api.lease(api.register())
     lease = lease.model_copy(update={"init_seed": None if seed is None else lease.init_seed + 1})
-    params = worker._params(lease)
+    params = worker.downloads.base(lease)
     blob = api.snapshot(0)
     assert worker.client.bytes_down == len(blob)
     want, _ = decode_snapshot(blob, schema=schema_of(lease))

@@ -200,8 +200,8 @@ def test_without_a_coordinator_that_keeps_the_lease_the_next_lease_waits_for_the
 def test_no_overlap_uploads_on_the_training_thread_before_the_next_lease(tmp_path):
     coord = FakeCoordinator(keeps=True)
     w = make_worker(coord, tmp_path, max_rounds=2, overlap=False, lease_ahead=True)
-    real_start = w._start_upload
-    w._start_upload = lambda *a: (_ for _ in ()).throw(AssertionError("no background upload")) or real_start(*a)
+    real_start = w.delivery.start
+    w.delivery.start = lambda *a: (_ for _ in ()).throw(AssertionError("no background upload")) or real_start(*a)
     assert w.run() == 2
     assert [e for e in coord.events if e[0] in ("lease", "upload", "answered")] == [
         ("lease", 1, None), ("upload", 1, True), ("answered", 1),
@@ -221,8 +221,8 @@ def test_a_kill_with_a_delta_in_flight_delivers_it_exactly_once(tmp_path):
     at_step(w1, 2, 3, die)
     with pytest.raises(Killed):
         w1.run()
-    assert w1._inflight is not None
-    w1._inflight.done.wait(WAIT_S)
+    assert w1.delivery.inflight is not None
+    w1.delivery.inflight.done.wait(WAIT_S)
     store = StateStore(tmp_path / "worker", URL, "t")
     assert [u.lease.lease_id for u in store.load_all_unsent()] == [1]
     assert store.load().round.lease.lease_id == 2 and store.load().round.step == 2
@@ -246,7 +246,7 @@ def test_a_refused_delta_goes_back_to_the_residual_while_the_next_round_has_trai
     w = make_worker(coord, tmp_path, max_rounds=2, lease_ahead=True)
     at_step(w, 2, STEPS, second_round_done.set)
     seen: dict = {}
-    real_take_back = w._take_back
+    real_take_back = w.delivery.take_back
 
     def take_back(lease, body):
         seen["thread"] = threading.current_thread() is threading.main_thread()
@@ -254,10 +254,10 @@ def test_a_refused_delta_goes_back_to_the_residual_while_the_next_round_has_trai
         seen["body"] = body
         real_take_back(lease, body)
         seen["after"] = {n: t.clone() for n, t in w.trainer.residual.items()}
-        w._join_saver()  # the state goes to disk in the background: wait for it, as any later read does
+        w.saver.join()  # the state goes to disk in the background: wait for it, as any later read does
         seen["disk"] = StateStore(tmp_path / "worker", URL, "t").load().residual
 
-    w._take_back = take_back
+    w.delivery.take_back = take_back
     assert w.run() == 2  # lease 1 refused: one more round (lease 3) makes two delivered
     assert seen["thread"]  # settled on the training thread, between rounds
     # it was refused after round 2 had trained: round 2's residual takes lease 1's content back
@@ -277,10 +277,10 @@ def test_a_refusal_is_added_to_the_residual_in_memory_and_on_disk(tmp_path):
     coord.refuse.add(1)
     w = make_worker(coord, tmp_path, max_rounds=1, lease_ahead=True)
     settled: dict = {}
-    real_settle = w._settle_upload
+    real_settle = w.delivery.settle
 
     def settle():
-        up = w._inflight if not settled else None  # the first one: lease 1's
+        up = w.delivery.inflight if not settled else None  # the first one: lease 1's
         if up is not None:
             up.done.wait(WAIT_S)
             settled["before"] = {n: t.clone() for n, t in w.trainer.residual.items()}
@@ -288,11 +288,11 @@ def test_a_refusal_is_added_to_the_residual_in_memory_and_on_disk(tmp_path):
         real_settle()
         if up is not None:
             settled["after"] = {n: t.clone() for n, t in w.trainer.residual.items()}
-            w._join_saver()
+            w.saver.join()
             settled["disk"] = StateStore(tmp_path / "worker", URL, "t").load().residual
             coord.refuse.clear()
 
-    w._settle_upload = settle
+    w.delivery.settle = settle
     assert w.run() == 1  # lease 1 refused, lease 2 delivered
     sent = delta_to_tensors(codec.decode(settled["body"], schema=SCHEMA), SCHEMA)
     for name, t in sent.items():

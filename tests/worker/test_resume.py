@@ -13,7 +13,7 @@ import pytest
 from shared import codec, protocol
 from tests.conftest import schema_of
 from worker import client as client_mod
-from worker import loop as loop_mod
+from tests.worker.conftest import no_backoff
 from worker.client import CoordinatorClient, CoordinatorError
 from worker.loop import Worker
 from worker.settings import WorkerSettings
@@ -29,7 +29,7 @@ STEPS = 8
 def no_sleeping(monkeypatch):
     """Backoff waits of the client and of the loop take no time here."""
     monkeypatch.setattr(client_mod.time, "sleep", lambda s: None)
-    monkeypatch.setattr(loop_mod, "backoff_delay", lambda attempt: 0.0)
+    no_backoff(monkeypatch)
 
 
 class Killed(BaseException):
@@ -68,9 +68,9 @@ class AppTransport(httpx.BaseTransport):
 
 
 def make_worker(api, tmp_path, *, max_rounds: int | None = 1, every: int = 3,
-                max_retries: int = 2) -> tuple[Worker, AppTransport]:
+                max_retries: int = 2, run: str = "t") -> tuple[Worker, AppTransport]:
     transport = AppTransport(api)
-    settings = WorkerSettings(coordinator=URL, run="t", state_dir=tmp_path / "worker", device="cpu",
+    settings = WorkerSettings(coordinator=URL, run=run, state_dir=tmp_path / "worker", device="cpu",
                               max_rounds=max_rounds, checkpoint_every_steps=every, max_retries=max_retries)
     client = CoordinatorClient(URL, transport=transport, max_retries=max_retries)
     return Worker(settings, client=client), transport
@@ -85,7 +85,7 @@ def long_run(api, run_config):
 def kill_at_step(worker: Worker, step: int) -> list[int]:
     """Make the worker die right after its checkpoint at `step` reached the disk."""
     saved: list[int] = []
-    real = worker._save
+    real = worker.saver.save
 
     def save(state: TrainerState) -> None:
         real(state)
@@ -93,7 +93,7 @@ def kill_at_step(worker: Worker, step: int) -> list[int]:
         if state.round is not None and state.round.step == step:
             raise Killed(f"step {step}")
 
-    worker._save = save
+    worker.saver.save = save
     return saved
 
 
@@ -112,7 +112,7 @@ def test_unsent_delta_is_delivered_on_restart_before_any_new_lease(api, run, tmp
     t1.fail_path, t1.fail_times = "/delta", 1
     # the upload fails (connection refused, no retries left), then the worker is killed while waiting
     w1.client.max_retries = 0
-    w1._wait = lambda attempt, exc: (_ for _ in ()).throw(Killed("while waiting"))
+    w1.connection.wait = lambda attempt, exc: (_ for _ in ()).throw(Killed("while waiting"))
     with pytest.raises(Killed):
         w1.run()
     store = StateStore(tmp_path / "worker", URL, "t")
@@ -122,7 +122,7 @@ def test_unsent_delta_is_delivered_on_restart_before_any_new_lease(api, run, tmp
     assert api.status()["merged_deltas"] + api.status()["pending_deltas"] == 0
 
     w2, t2 = make_worker(api, tmp_path)
-    with caplog.at_level(logging.INFO, logger="worker.loop"):
+    with caplog.at_level(logging.INFO, logger="worker"):
         assert w2.run() == 1
     # the first thing the new process posts is the saved delta; it asks for no lease at all
     assert t2.posts() == [f"{API}/leases/{lease_id}/delta"]
@@ -141,7 +141,7 @@ def test_a_delta_that_arrived_but_whose_answer_was_lost_is_not_counted_twice(api
         w1.run()
     assert api.status()["pending_deltas"] == 1
     w2, t2 = make_worker(api, tmp_path, max_rounds=2)
-    with caplog.at_level(logging.INFO, logger="worker.loop"):
+    with caplog.at_level(logging.INFO, logger="worker"):
         assert w2.run() == 2  # the saved delta again (same answer), then one new round
     assert "it had arrived before" in caplog.text
     uploads = delta_uploads(t2)
@@ -166,7 +166,7 @@ def test_a_round_killed_midway_resumes_and_delivers_the_same_lease(api, long_run
     uploaded: list[bytes] = []
     real_upload = w2.client.upload_delta
     w2.client.upload_delta = lambda lid, body: (uploaded.append(body), real_upload(lid, body))[1]
-    with caplog.at_level(logging.INFO, logger="worker.loop"):
+    with caplog.at_level(logging.INFO, logger="worker"):
         assert w2.run() == 1
     assert f"resuming lease {lease_id} at step 6/{STEPS}" in caplog.text
     assert "(resumed at step 6)" in caplog.text
@@ -195,7 +195,7 @@ def test_a_resumed_lease_the_coordinator_gave_away_is_dropped(api, long_run, tmp
     headers = {"Authorization": f"Bearer {w1.client.token}"}
     api.lease(headers)
     w2, t2 = make_worker(api, tmp_path, every=0)
-    with caplog.at_level(logging.INFO, logger="worker.loop"):
+    with caplog.at_level(logging.INFO, logger="worker"):
         assert w2.run() == 1
     assert f"resuming lease {old} at step 4/{STEPS}" in caplog.text
     assert f"lease {old}: delta refused (HTTP 410" in caplog.text
@@ -256,8 +256,7 @@ def test_the_first_ctrl_c_ends_the_wait_for_the_coordinator(api, run, tmp_path):
 
 
 def test_4xx_other_than_lease_loss_still_stops_the_worker(api, run, tmp_path):
-    w, _ = make_worker(api, tmp_path)
-    w.settings = w.settings.model_copy(update={"run": "no-such-run"})
+    w, _ = make_worker(api, tmp_path, run="no-such-run")
     with pytest.raises(CoordinatorError) as info:
         w.run()
     assert info.value.status in (403, 404)
@@ -270,14 +269,14 @@ def test_a_kill_between_saving_the_delta_and_the_state_delivers_without_training
     def killed() -> None:
         raise Killed("after the delta, before the end-of-round state")
 
-    w1._save_trainer = killed
+    w1.saver.save_trainer = killed
     with pytest.raises(Killed):
         w1.run()
     store = StateStore(tmp_path / "worker", URL, "t")
     lease_id = store.load_unsent().lease.lease_id
     assert store.load().round.lease.lease_id == lease_id  # the last checkpoint of the same round
     w2, t2 = make_worker(api, tmp_path)
-    with caplog.at_level(logging.INFO, logger="worker.loop"):
+    with caplog.at_level(logging.INFO, logger="worker"):
         assert w2.run() == 1
     assert f"lease {lease_id} ended before the restart" in caplog.text
     assert "resuming" not in caplog.text

@@ -17,12 +17,14 @@ import pytest
 import zstandard
 
 from shared import protocol
+from shared.model import ModelConfig
 from tests.worker.test_client import lease_json, make_client
 from tests.worker.test_state import make_lease
 from worker import client as client_mod
-from worker import loop as loop_mod
 from worker import memory
+from tests.worker.conftest import no_backoff
 from worker.client import CoordinatorClient, InvalidAnswer
+from worker.downloads import Downloads
 from worker.loop import Worker
 from worker.settings import WorkerSettings
 
@@ -40,8 +42,8 @@ def _worker(tmp_path, **kw) -> Worker:
 
 
 def test_a_model_above_max_params_is_refused_before_anything_is_downloaded(tmp_path):
-    lease = make_lease().model_copy(update={"model": {"n_layer": 48, "n_head": 16, "d_model": 2048,
-                                                      "context": 2048, "vocab_size": 256, "dropout": 0.0}})
+    lease = make_lease().model_copy(update={"model": ModelConfig(n_layer=48, n_head=16, d_model=2048,
+                                                                 context=2048, vocab_size=256, dropout=0.0)})
     with pytest.raises(RuntimeError, match=r"2,4\d\d,\d{3},\d{3} parameters, above this worker's limit"):
         _worker(tmp_path, max_params=1_000_000_000)._round(lease)
 
@@ -74,7 +76,7 @@ API = protocol.API_PREFIX
 @pytest.fixture
 def no_waiting(monkeypatch):
     """The loop's and the client's backoff waits take no time here."""
-    monkeypatch.setattr(loop_mod, "backoff_delay", lambda attempt: 0.0)
+    no_backoff(monkeypatch)
     monkeypatch.setattr(client_mod.time, "sleep", lambda s: None)
 
 
@@ -146,9 +148,9 @@ def test_a_lease_whose_shard_hash_is_not_a_digest_is_refused_and_no_file_outside
     handler, log = _coordinator([bad], stop)
     w = _net_worker(tmp_path, handler)
     w.stop.event = stop
-    w._params = lambda lease: {}  # no snapshot: were the lease taken, the shard cache would be next
+    w.downloads.base = lambda lease: {}  # no snapshot: were the lease taken, the shard cache would be next
     spy = FileSpy(monkeypatch)
-    with caplog.at_level(logging.WARNING, logger="worker.loop"):
+    with caplog.at_level(logging.WARNING, logger="worker"):
         assert w.run() == 0  # it backs off and asks again; it does not crash
     monkeypatch.undo()
     assert spy.touched(secret_dir) == []  # not opened, not even stat'ed (existence would leak)
@@ -184,10 +186,10 @@ def test_a_corrupted_cache_hit_is_deleted_and_fetched_again(tmp_path):
     cached.parent.mkdir(parents=True)
     cached.write_bytes(b"replaced by someone else" + raw[24:])  # same length, other bytes
     lease = make_lease().model_copy(update={"shard_sha256": sha})
-    assert bytes(w._tokens(lease).numpy()) == raw  # the fetched shard, not the cached file
+    assert bytes(w.downloads.tokens(lease).numpy()) == raw  # the fetched shard, not the cached file
     assert [p for m, p in log if m == "GET"] == [f"{API}/runs/t/shards/1"]
     assert cached.read_bytes() == raw
-    assert bytes(w._tokens(lease).numpy()) == raw and len(log) == 1  # a good hit is used as is
+    assert bytes(w.downloads.tokens(lease).numpy()) == raw and len(log) == 1  # a good hit is used as is
 
 
 def test_a_shard_failing_its_hash_or_its_zstd_is_fetched_again_and_the_round_goes_on(tmp_path, no_waiting):
@@ -196,21 +198,21 @@ def test_a_shard_failing_its_hash_or_its_zstd_is_fetched_again_and_the_round_goe
     handler, log = _coordinator([], threading.Event(), shards=[wrong, b"not zstd at all", body])
     w = _net_worker(tmp_path, handler)
     lease = make_lease().model_copy(update={"shard_sha256": sha})
-    assert bytes(w._tokens(lease).numpy()) == raw
+    assert bytes(w.downloads.tokens(lease).numpy()) == raw
     assert [p for m, p in log if m == "GET"] == [f"{API}/runs/t/shards/1"] * 3
     assert w.shards.get(sha) == raw
 
 
 def test_a_shard_that_never_arrives_intact_gives_the_lease_up_without_crashing(tmp_path, no_waiting, caplog):
     raw, sha, _ = _shard()
-    handler, log = _coordinator([], threading.Event(), shards=[b"garbage"] * loop_mod.Worker.SHARD_TRIES)
+    handler, log = _coordinator([], threading.Event(), shards=[b"garbage"] * Downloads.SHARD_TRIES)
     w = _net_worker(tmp_path, handler)
-    w._params = lambda lease: {}  # the base model is not what this test is about
+    w.downloads.base = lambda lease: {}  # the base model is not what this test is about
     lease = make_lease().model_copy(update={"shard_sha256": sha})
-    with caplog.at_level(logging.WARNING, logger="worker.loop"):
+    with caplog.at_level(logging.WARNING, logger="worker"):
         assert w._round(lease) is None
     gets = [p for m, p in log if m == "GET"]
-    assert gets == [f"{API}/runs/t/shards/1"] * loop_mod.Worker.SHARD_TRIES
+    assert gets == [f"{API}/runs/t/shards/1"] * Downloads.SHARD_TRIES
     assert log[-1] == ("DELETE", f"{API}/leases/{lease.lease_id}")  # handed back for another worker
     assert w.rounds == 0 and w.store.load_unsent() is None
     assert not w.shards.path(sha).exists()
@@ -236,7 +238,7 @@ def test_the_client_refuses_a_registration_token_out_of_form(token):
 
 # -- the model's size: this machine's cap, checked on the meta device ------------------------------------
 
-XL_1_6B = {"vocab_size": 256, "n_layer": 48, "n_head": 26, "d_model": 1664, "context": 1024, "dropout": 0.0}
+XL_1_6B = ModelConfig(vocab_size=256, n_layer=48, n_head=26, d_model=1664, context=1024, dropout=0.0)
 
 
 def _rss_bytes() -> int:
@@ -260,7 +262,7 @@ def test_a_model_above_the_memory_derived_cap_is_refused_without_allocating(tmp_
 
 def test_a_lease_whose_batch_and_context_need_more_memory_than_the_cap_is_refused(tmp_path):
     """A small model is no way around the cap: the activations of batch x context count too."""
-    model = {"vocab_size": 256, "n_layer": 3, "n_head": 4, "d_model": 128, "context": 65536, "dropout": 0.0}
+    model = ModelConfig(vocab_size=256, n_layer=3, n_head=4, d_model=128, context=65536, dropout=0.0)
     lease = make_lease().model_copy(update={"model": model,
                                             "inner": make_lease().inner.model_copy(update={"batch_size": 4096})})
     with pytest.raises(RuntimeError, match=r"batch 4096 x context 65536 needs about [\d.]+ GB.*--max-params"):
@@ -296,4 +298,4 @@ def test_a_snapshot_failing_its_hash_gives_the_lease_up_without_crashing(tmp_pat
 
     w = _net_worker(tmp_path, handler)
     lease = make_lease()
-    assert w._round(lease) is None and w.rounds == 0 and w._snapshot is None
+    assert w._round(lease) is None and w.rounds == 0 and w.downloads.held is None

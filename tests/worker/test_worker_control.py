@@ -19,7 +19,7 @@ from shared import codec, protocol
 from tests.conftest import schema_of
 from worker import client as client_mod
 from worker import governor as governor_mod
-from worker import loop as loop_mod
+from tests.worker.conftest import no_backoff
 from worker.client import CoordinatorClient
 from worker.control import ControlFile, StatusFile, WorkerStatus
 from worker.host import HostReaders
@@ -35,7 +35,7 @@ STEPS = 8
 @pytest.fixture(autouse=True)
 def no_sleeping(monkeypatch):
     monkeypatch.setattr(client_mod.time, "sleep", lambda s: None)
-    monkeypatch.setattr(loop_mod, "backoff_delay", lambda attempt: 0.0)
+    no_backoff(monkeypatch)
 
 
 @pytest.fixture
