@@ -1,6 +1,21 @@
-"""Benchmarks (one command each, results + a plot).
+"""Benchmarks (one command each, results + a plot), run from a source checkout: `python -m bench NAME`
+(`pip install -e '.[bench]'` first). Not part of the installed package; `idletrain bench NAME` forwards
+here when this folder is importable.
 
-    convergence.py  `idletrain bench convergence`: DDP vs DiLoCo vs SPARTA vs compressed, same tokens
-    merge.py        `idletrain bench merge`: merges/s stage by stage against a bare index_add_ bound
-    load.py         `idletrain bench load`: N simulated workers over loopback HTTP, lease/upload p99 per N
+    __main__.py            the command line: one subcommand per benchmark, its options checked
+    convergence.py         `convergence`: DDP vs DiLoCo vs SPARTA vs compressed, same tokens
+    sim.py                 the in-process simulator of N workers that convergence runs
+    averaging.py           `averaging`: where averaging AdamW workers loses against ddp, against oracles
+    merge.py               `merge`: merges/s stage by stage against a bare index_add_ bound; the run,
+                           the deltas' model sizes, and (g) Merger.step on a SQLite coordinator
+    merge_stages.py        merge's stages (a)-(f), the synthetic deltas, the Stage row and its timing
+    merge_report.py        merge's goals, results.md and stages.png
+    load.py                `load`: N simulated workers over loopback HTTP, lease/upload p99 per N; the run
+    load_client.py         load's simulated workers: their deltas, registration, one client process
+    load_coordinator.py    load's coordinator subprocess and database: schema, env, status, DB reads, stop
+    load_probes.py         load's CPU (process tree, PostgreSQL, machine), pg sessions, Server-Timing phases
+    load_report.py         load's goal per N, results.json, results.md and p99.png
+    utilisation.py         `utilisation`: the share of wall time a real worker computes, overlap off/on
+    utilisation_report.py  utilisation's results.md and utilisation.png
+    numbers.py             rounding of reported numbers (significant digits, percentiles)
 """

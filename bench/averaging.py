@@ -1,4 +1,4 @@
-"""`idletrain bench averaging`: where the loss of averaging AdamW workers comes from, measured.
+"""`python -m bench averaging`: where the loss of averaging AdamW workers comes from, measured.
 
 The convergence benchmark finds no low-communication method within 2% of ddp, and synchronous
 DiLoCo no closer at H = 1 than at H = 40. This benchmark takes that apart. Its M workers step in

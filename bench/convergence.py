@@ -1,4 +1,4 @@
-"""`idletrain bench convergence`: every method on the same model and the same tokens, side by side.
+"""`python -m bench convergence`: every method on the same model and the same tokens, side by side.
 
 Per method: final held-out eval loss, its ratio to ddp, bytes each worker sent and received,
 the traffic reduction against ddp (dense fp32 gradients both ways every step), wall time.
@@ -41,7 +41,7 @@ PROFILES = {
     # Minutes on 2 cores: a smaller model, fewer steps; the same methods and accounting.
     "quick": Profile(ModelConfig(n_layer=2, n_head=4, d_model=64, context=64), steps_per_worker=160,
                      corpus_max_bytes=4 << 20, eval_tokens=1 << 15, lr=3e-3, warmup_steps=20, H=40, extra_rows=True),
-    # The shape of the published SPARTA measurements (ANCHORS.md): 644k params, context 128.
+    # The shape of the published SPARTA measurements (docs/references.md): 644k params, context 128.
     # 250 steps x 8 workers x 8 methods (and one lone worker) is what fits the hour on 2 cores.
     "full": Profile(ModelConfig(), steps_per_worker=250, corpus_max_bytes=16 << 20, eval_tokens=1 << 16,
                     lr=2e-3, warmup_steps=25, H=50),
@@ -180,5 +180,5 @@ def run(*, profile: str = "quick", out: Path = Path("bench-results/convergence")
               f"{meta['tokens_per_method']:,} tokens per method, speed spread {hetero:g}x; "
               f"traffic reduction = ddp bytes (dense fp32 gradients up and down every step) / bytes moved.")
     write_markdown(rows, out / "results.md", header=header)
-    plot(rows, out / "loss.png", title=f"idletrain bench convergence --profile {profile} ({workers} workers)")
+    plot(rows, out / "loss.png", title=f"python -m bench convergence --profile {profile} ({workers} workers)")
     return rows

@@ -4,8 +4,8 @@ real coordinator and worker, so bytes counted here are the bytes that would trav
 
 Asynchrony is simulated with a clock: worker i finishes a round H / speed_i after it started,
 deltas merge in finishing order, and a worker always restarts from the newest published model
-(shared/algorithms/outer.py `published`), fetched as the real worker fetches it (worker/loop.py
-`_params`): version 0 built from the run's seed, then the int8 or int4 change since the copy it
+(shared/algorithms/outer.py `published`), fetched as the real worker fetches it (worker/downloads.py
+`Downloads.base`): version 0 built from the run's seed, then the int8 or int4 change since the copy it
 holds, a full snapshot after sync.MAX_HOPS changes in a row. A round's lr is the schedule's at the
 tokens delivered so far, as the coordinator leases it.
 """
@@ -161,7 +161,7 @@ class _Replica:
 
     def fetch(self, version: int, served: dict[int, dict[str, torch.Tensor]],
               method: Method) -> dict[str, torch.Tensor]:
-        """The base of a round at `version`, got and counted as worker/loop.py `_params` gets it;
+        """The base of a round at `version`, got and counted as worker/downloads.py `Downloads.base` gets it;
         `served` holds the coordinator's published model of every version a worker may ask for."""
         if self.held is not None and self.held[0] == version:
             params = self.held[1]
@@ -265,7 +265,7 @@ def run_diloco(setup: Setup, method: Method, *, on_merge: Callable[[int], None] 
         for v in [v for v in served if v != version and all(x.held is None or x.held[0] != v for x in replicas)]:
             del served[v]
         set_params(r.model, base)
-        # the coordinator's rule (coordinator/service.py, lease): the schedule's position is the tokens
+        # the coordinator's rule (coordinator/services/leases.py): the schedule's position is the tokens
         # delivered so far, not those still being trained in other workers' open rounds
         lr = _lr(setup, tokens_merged)
         r.train(setup, method.H, lr)

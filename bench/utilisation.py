@@ -1,4 +1,4 @@
-"""`idletrain bench utilisation`: the fraction of wall time a real worker spends computing, with its
+"""`python -m bench utilisation`: the fraction of wall time a real worker spends computing, with its
 uploads throttled (10 Mbit/s by default), overlap off and on, side by side in one run.
 
 A real coordinator runs as a subprocess on loopback (`idletrain coordinator serve`, SQLite, a fresh
@@ -51,7 +51,8 @@ from pathlib import Path
 import httpx
 import torch
 
-from idletrain.demo import free_port, wait_healthy
+from bench.utilisation_report import GOAL, markdown, plot
+from idletrain.harness import free_port, wait_healthy
 from shared import protocol
 from shared.config import RunConfig
 from shared.model import ModelConfig
@@ -60,16 +61,14 @@ from worker.client import CoordinatorError
 log = logging.getLogger(__name__)
 
 RUN = "util"
-GOAL = 0.97
-DOWN_GOAL = 2.0  # issue 6: after joining, bytes down per round within 2x of bytes up
 API = protocol.API_PREFIX
 
 # The coordinator process of mode "ahead": the lease grant gives no earlier lease up (see above).
 _KEEPING = """
 import sys
-import coordinator.service as svc
-_end_lease = svc._end_lease
-svc._end_lease = lambda s, lease, state: None if state == "abandoned" else _end_lease(s, lease, state)
+import coordinator.queries.leases as q
+_end_lease = q.end_lease
+q.end_lease = lambda c, lease, shard, state: None if state == "abandoned" else _end_lease(c, lease, shard, state)
 from idletrain.cli import main
 sys.exit(main(sys.argv[1:]))
 """
@@ -236,50 +235,34 @@ def run(*, out: Path, rounds: int = 16, repeats: int = 2, steps: int = 20, batch
     chosen = [MODES[m] for m in modes]
     out.mkdir(parents=True, exist_ok=True)
     root = Path(tempfile.mkdtemp(prefix="idletrain-util-"))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("IDLETRAIN_")}
-    env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", IDLETRAIN_REGISTER_RATE="0",
-               # operator routes always need the admin token; a corpus path must be in an allowed folder
-               IDLETRAIN_ADMIN_TOKEN=secrets.token_urlsafe(32),
-               **({"IDLETRAIN_CORPUS_DIRS": str(_folder_of(Path(corpus)))} if corpus else {}),
-               **(coordinator_env or {}))
+    env = _coordinator_env(corpus, coordinator_env)
     coords: dict[str, Coordinator] = {}
     patched = False
-    samples: dict[str, list[dict]] = {m.name: [] for m in chosen}
     t_start = time.time()
-    try:
-        def config(name: str) -> dict:
-            return run_config(name=name, steps=steps, batch=batch, model=model, shard_tokens=shard_tokens,
-                              corpus=corpus, relax_screening=relax_screening, values=values,
-                              update_values=update_values)
 
+    def config(name: str) -> dict:
+        return run_config(name=name, steps=steps, batch=batch, model=model, shard_tokens=shard_tokens,
+                          corpus=corpus, relax_screening=relax_screening, values=values,
+                          update_values=update_values)
+
+    try:
         coords["plain"] = Coordinator(root, keeping=False, env=env)
         if any(m.lease_ahead for m in chosen) and not coords["plain"].keeps_delivering_lease():
             patched = True
             coords["patched"] = Coordinator(root, keeping=True, env=env)
+
+        def coordinator_of(mode: Mode) -> Coordinator:
+            return coords["patched" if patched and mode.lease_ahead else "plain"]
+
         runs: dict[tuple[str, int], str] = {}
         for rep in range(repeats):  # every worker run trains a run of its own from the same start
             for mode in chosen:
                 runs[mode.name, rep] = f"{RUN}-{mode.name}-{rep}"
-                coords["patched" if patched and mode.lease_ahead else "plain"].create_run(
-                    config(runs[mode.name, rep]))
+                coordinator_of(mode).create_run(config(runs[mode.name, rep]))
         warm_up(model, batch=batch, threads=threads)
-        for rep in range(repeats):
-            for mode in chosen:
-                coord = coords["patched" if patched and mode.lease_ahead else "plain"]
-                try:
-                    sample = measure(mode, coord.url, runs[mode.name, rep], root / f"worker-{mode.name}-{rep}",
-                                     rounds=rounds,
-                                     upload_kbps=upload_kbps, threads=threads)
-                except (CoordinatorError, RuntimeError) as exc:  # e.g. banned by robust screening: say so
-                    log.warning("%s, repeat %d failed: %s", mode.name, rep, exc)
-                    samples[mode.name].append({"mode": mode.name, "repeat": rep, "error": str(exc)})
-                    continue
-                sample["repeat"] = rep
-                samples[mode.name].append(sample)
-                log.info("%s, repeat %d: %.1f%% computing (%.1f s of %.1f s)", mode.name, rep,
-                         100 * sample["utilisation"], sample["compute_s"], sample["wall_s"])
-        statuses = {run: coords["patched" if patched and MODES[m].lease_ahead else "plain"].status(run)
-                    for (m, _), run in runs.items()}
+        samples = _measure_modes(chosen, coordinator_of, runs, root, repeats=repeats, rounds=rounds,
+                                 upload_kbps=upload_kbps, threads=threads)
+        statuses = {run: coordinator_of(MODES[m]).status(run) for (m, _), run in runs.items()}
     finally:
         for c in coords.values():
             c.close()
@@ -310,94 +293,34 @@ def run(*, out: Path, rounds: int = 16, repeats: int = 2, steps: int = 20, batch
     return result
 
 
-def markdown(r: dict) -> str:
-    lines = [f"# Worker utilisation, upload throttled to {r['upload_kbps'] / 1000:g} Mbit/s", ""]
-    if r["command"]:
-        lines += [f"`{r['command']}`", ""]
-    sent = r["sent_per_round_bytes"]
-    lines += [f"One worker, {r['rounds']} rounds of {r['steps']} local steps (batch {r['batch']}, model of "
-              f"{r['n_params']:,} parameters, {r.get('values', 'int8')} dense delta ~{(sent or 0) / 1e3:.0f} KB sent per "
-              f"round, {r.get('update_values', 'int8')} model updates down), "
-              f"{r['threads']} torch thread(s), {r['repeats']} repeat(s) per mode interleaved, each worker run "
-              f"training a fresh run of its own from the same initial model; "
-              f"{r['machine']['cpus']} CPUs, started {r['started_at']}, {r['seconds']:.0f} s in all.", "",
-              "| mode | utilisation (median) | min-max | wall/round | compute/round | not computing/round "
-              "| of it waiting for an upload | goal >= 97% |",
-              "|---|---|---|---|---|---|---|---|"]
-    for name, m in r["modes"].items():
-        s = m["summary"]
-        if "utilisation_median" not in s:
-            lines.append(f"| {name}: {m['label']} | failed: {'; '.join(s['failed'])} |||||||")
-            continue
-        label = m["label"] + (" (coordinator patched to keep the uploading lease)" if m["patched_coordinator"]
-                              else "")
-        lines.append(f"| {name}: {label} | {100 * s['utilisation_median']:.1f}% | "
-                     f"{100 * s['utilisation_min']:.1f}-{100 * s['utilisation_max']:.1f}% | "
-                     f"{s['wall_per_round_s']:.2f} s | {s['compute_per_round_s']:.2f} s | "
-                     f"{s['idle_per_round_s']:.2f} s | "
-                     f"{s['upload_wait_per_round_s']:.2f} s | {'met' if s['goal_met'] else 'not met'} |")
-    lines += ["", f"Bytes per round after joining (the one full snapshot of version 0 left out; goal: down within "
-              f"{DOWN_GOAL:g}x of up):", "", "| mode | up / round | down / round | down / up | goal |",
-              "|---|---|---|---|---|"]
-    for name, m in r["modes"].items():
-        s = m["summary"]
-        if "down_over_up_after_join" in s:
-            lines.append(f"| {name} | {s['sent_per_round_bytes'] / 1e3:.0f} KB | "
-                         f"{s['received_per_round_after_join_bytes'] / 1e3:.0f} KB | "
-                         f"{s['down_over_up_after_join']:.2f} | "
-                         f"{'met' if s['down_over_up_after_join'] <= DOWN_GOAL else 'not met'} |")
-    phases = sorted({p for m in r["modes"].values() for p in m["summary"].get("phase_per_round_s", {})})
-    lines += ["", "Where a round's wall time goes, by the worker's phase (seconds per round, median; `training` "
-              "includes what the trainer did besides steps: compressing the delta):", "",
-              "| mode | " + " | ".join(phases) + " |", "|---|" + "---|" * len(phases)]
-    for name, m in r["modes"].items():
-        per = m["summary"].get("phase_per_round_s", {})
-        lines.append(f"| {name} | " + " | ".join(f"{per.get(p, 0.0):.3f}" for p in phases) + " |")
-    failures = [(n, e) for n, m in r["modes"].items() for e in m["summary"]["failed"]]
-    if failures:
-        lines += ["", "Failed runs: " + "; ".join(f"{n}: {e}" for n, e in failures)]
-    lines += ["", f"Robust screening of the run: {r['robust'] or 'defaults'}.", ""]
-    lines += ["", "Utilisation = time in the trainer's rounds / wall time from the first lease request to the last "
-              "acknowledged upload, both counted by the worker (worker/progress.py `Utilisation`)."]
-    if any(m["patched_coordinator"] for m in r["modes"].values()):
-        lines += ["Mode `ahead` ran against a coordinator process patched by the benchmark to give no lease up "
-                  "when the worker asks for its next one: the coordinator under test did not keep a lease whose "
-                  "delta is still uploading."]
-    else:
-        lines += ["Every mode ran against the same, unpatched coordinator (it keeps a lease whose delta is still "
-                  "uploading when the lease request names it)."]
-    lines.append("")
-    return "\n".join(lines)
+def _coordinator_env(corpus: str | None, extra: dict[str, str] | None) -> dict[str, str]:
+    """The coordinators' environment: none of the caller's IDLETRAIN_*, one thread, no registration limit."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("IDLETRAIN_")}
+    env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", IDLETRAIN_REGISTER_RATE="0",
+               # operator routes always need the admin token; a corpus path must be in an allowed folder
+               IDLETRAIN_ADMIN_TOKEN=secrets.token_urlsafe(32),
+               **({"IDLETRAIN_CORPUS_DIRS": str(_folder_of(Path(corpus)))} if corpus else {}),
+               **(extra or {}))
+    return env
 
 
-def plot(r: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    names = [n for n, m in r["modes"].items() if "utilisation_median" in m["summary"]]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for i, name in enumerate(names):
-        s = r["modes"][name]["summary"]
-        ax1.bar(i, s["compute_per_round_s"], color="tab:green", label="computing" if i == 0 else None)
-        ax1.bar(i, s["idle_per_round_s"], bottom=s["compute_per_round_s"], color="tab:red",
-                label="not computing" if i == 0 else None)
-        util = [100 * x["utilisation"] for x in r["modes"][name]["samples"] if "error" not in x]
-        ax2.scatter([i] * len(util), util, color="tab:blue", zorder=3)
-        ax2.bar(i, 100 * s["utilisation_median"], color="tab:blue", alpha=0.35)
-    for ax in (ax1, ax2):
-        ax.set_xticks(range(len(names)), names)
-    ax1.set_ylabel("seconds per round (median)")
-    ax1.legend()
-    ax1.set_title("where a round's wall time goes")
-    ax2.axhline(100 * r["goal"], color="black", linestyle="--", label=f"goal {100 * r['goal']:.0f}%")
-    lo = min((100 * x["utilisation"] for m in r["modes"].values() for x in m["samples"] if "error" not in x),
-             default=90.0)
-    ax2.set_ylim(max(0.0, lo - 5), 100)
-    ax2.set_ylabel("% of wall time computing")
-    ax2.set_title(f"utilisation, upload {r['upload_kbps'] / 1000:g} Mbit/s")
-    ax2.legend(loc="lower right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+def _measure_modes(chosen: list[Mode], coordinator_of, runs: dict[tuple[str, int], str], root: Path, *,
+                   repeats: int, rounds: int, upload_kbps: float, threads: int) -> dict[str, list[dict]]:
+    """Every mode once per repeat, interleaved; a failed worker run is a sample that says why."""
+    samples: dict[str, list[dict]] = {m.name: [] for m in chosen}
+    for rep in range(repeats):
+        for mode in chosen:
+            coord = coordinator_of(mode)
+            try:
+                sample = measure(mode, coord.url, runs[mode.name, rep], root / f"worker-{mode.name}-{rep}",
+                                 rounds=rounds,
+                                 upload_kbps=upload_kbps, threads=threads)
+            except (CoordinatorError, RuntimeError) as exc:  # e.g. banned by robust screening: say so
+                log.warning("%s, repeat %d failed: %s", mode.name, rep, exc)
+                samples[mode.name].append({"mode": mode.name, "repeat": rep, "error": str(exc)})
+                continue
+            sample["repeat"] = rep
+            samples[mode.name].append(sample)
+            log.info("%s, repeat %d: %.1f%% computing (%.1f s of %.1f s)", mode.name, rep,
+                     100 * sample["utilisation"], sample["compute_s"], sample["wall_s"])
+    return samples

@@ -8,7 +8,7 @@ for each HTTP request and adds the header to the answer, with `total`, the time 
 reaching the app to its answer starting (what the phases leave out of it: reading the body,
 waiting for a thread of the pool). A client that measures its own latency sees the rest (the
 network, the server's event loop) as the difference. Browsers show the header in their developer
-tools; `idletrain bench load` breaks its slowest requests down with it. Outside a request,
+tools; `python -m bench load` breaks its slowest requests down with it. Outside a request,
 `phase` does nothing.
 """
 

@@ -1,5 +1,8 @@
 """The `idletrain` command line.
 
-    cli.py    argparse front end: coordinator serve, run create, worker run, status, demo, bench
-    demo.py   one-machine demo: a coordinator and N worker processes over real loopback HTTP
+    cli/        argparse front end, one module per audience: the volunteer (worker run, pause, status),
+                the operator (coordinator serve, run create/show, worker list, export, sample), the
+                developer (demo; bench, forwarded to `python -m bench` in a source checkout)
+    demo.py     one-machine demo: a coordinator and N worker processes over real loopback HTTP
+    harness.py  local processes over loopback: a free port, waiting for /healthz (demo, bench, tests)
 """

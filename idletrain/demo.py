@@ -8,7 +8,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -17,13 +16,8 @@ from pathlib import Path
 
 import httpx
 
+from idletrain.harness import free_port, wait_healthy
 from shared.config import RunConfig
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def demo_config(*, workers: int, minutes: float) -> RunConfig:
@@ -42,21 +36,6 @@ def demo_config(*, workers: int, minutes: float) -> RunConfig:
         "inner": {"steps": steps, "batch_size": batch, "lr": 3e-3, "warmup_steps": 30},
         "outer": {"group": workers},  # compression and the outer optimiser keep the run defaults
     })
-
-
-def wait_healthy(client: httpx.Client, proc: subprocess.Popen, timeout_s: float = 60) -> None:
-    """Wait until the coordinator process answers /healthz; RuntimeError if it dies or stays silent."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError("the coordinator exited during start-up; see its log")
-        try:
-            if client.get("/healthz").status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError(f"the coordinator did not answer /healthz within {timeout_s:g} s")
 
 
 def summarise(status: dict) -> dict:
@@ -78,77 +57,21 @@ def run_demo(*, workers: int = 3, minutes: float = 3.0, as_json: bool = False, k
         print("idletrain demo: --workers must be >= 1 and --minutes > 0", file=sys.stderr)
         return 2
     out = sys.stdout
-    tty = out.isatty()
     data_dir = Path(tempfile.mkdtemp(prefix="idletrain-demo-"))
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-    admin_token = secrets.token_urlsafe(32)  # operator routes always need one; through the environment, not argv
     logs = data_dir / "logs"
     logs.mkdir()
     procs: list[subprocess.Popen] = []
     print(f"idletrain demo: coordinator at {url}, {workers} workers, {minutes:g} min of training; "
           f"logs in {logs}", file=out, flush=True)
     try:
-        coord = subprocess.Popen(
-            [sys.executable, "-m", "idletrain", "--log-level", "WARNING", "coordinator", "serve",
-             "--port", str(port), "--data-dir", str(data_dir / "coordinator")],
-            # every demo worker registers and leases from 127.0.0.1: the per-address limits fit them all
-            env={**env, "IDLETRAIN_ADMIN_TOKEN": admin_token, "IDLETRAIN_REGISTER_BURST": str(max(8, workers)),
-                 "IDLETRAIN_MAX_LEASES_PER_ADDRESS": str(max(32, 2 * workers))},
-            stdout=open(logs / "coordinator.log", "w"),
-            stderr=subprocess.STDOUT)
-        procs.append(coord)
-        client = httpx.Client(base_url=url, timeout=600, headers={"Authorization": f"Bearer {admin_token}"})
-        wait_healthy(client, coord)
-        cfg = demo_config(workers=workers, minutes=minutes)
-        resp = client.post("/api/v1/runs", json=json.loads(cfg.model_dump_json()))
-        if resp.status_code != 201:
-            raise RuntimeError(f"creating the demo run failed: {resp.status_code} {resp.text}")
-        created = resp.json()
-        print(f"run 'demo': {created['n_params']:,} parameters, {created['n_shards']} shards of the Python "
-              f"standard library ({created['train_tokens'] / 1e6:.1f} MB), held-out {created['eval_tokens']:,} bytes",
-              file=out, flush=True)
-        empty_config = data_dir / "worker.toml"
-        empty_config.write_text("# the demo's workers use their defaults, not ~/.config/idletrain/worker.toml\n")
-        for i in range(workers):
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "idletrain", "worker", "run", "--coordinator", url, "--run", "demo",
-                 "--threads", "1", "--device", "cpu", "--state-dir", str(data_dir / f"worker{i}"),
-                 "--name", f"demo-worker-{i}",
-                 # the demo trains now, whatever this machine's worker.toml says (idleness, battery, caps)
-                 "--config", str(empty_config), "--when", "always", "--on-battery", "run"],
-                env=env, stdout=open(logs / f"worker{i}.log", "w"), stderr=subprocess.STDOUT))
-        t_end = time.monotonic() + minutes * 60
-        last_line = 0.0
-        while time.monotonic() < t_end:
-            time.sleep(1.0)
-            if coord.poll() is not None:
-                raise RuntimeError("the coordinator died; see its log")
-            if all(p.poll() is not None for p in procs[1:]):
-                raise RuntimeError("every worker exited; see their logs")
-            st = client.get("/api/v1/runs/demo/status").json()
-            line = _progress(st, t_end - time.monotonic())
-            if tty:
-                print("\r" + line[:160].ljust(160), end="", file=out, flush=True)
-            elif time.monotonic() - last_line > 15:
-                print(line, file=out, flush=True)
-                last_line = time.monotonic()
-        if tty:
-            print(file=out)
-        print("stopping workers (each finishes and delivers its current round)…", file=out, flush=True)
-        for p in procs[1:]:
-            p.send_signal(signal.SIGINT)
-        for p in procs[1:]:
-            try:
-                p.wait(timeout=120)
-            except subprocess.TimeoutExpired:
-                p.kill()
-        deadline = time.monotonic() + 120
-        while client.get("/api/v1/runs/demo/status").json()["pending_deltas"] and time.monotonic() < deadline:
-            time.sleep(0.5)
-        client.post("/api/v1/runs/demo/evaluate")
-        status = client.get("/api/v1/runs/demo/status").json()
+        client = _start_coordinator(procs, port=port, data_dir=data_dir, env=env, workers=workers)
+        _create_run(client, workers=workers, minutes=minutes, out=out)
+        _start_workers(procs, url=url, data_dir=data_dir, env=env, workers=workers)
+        _watch(client, procs, minutes=minutes, out=out)
+        status = _stop_workers_and_evaluate(client, procs, out=out)
         summary = summarise(status)
         _print_summary(summary, status, out)
         if as_json:
@@ -160,16 +83,103 @@ def run_demo(*, workers: int = 3, minutes: float = 3.0, as_json: bool = False, k
         keep = True
         return 1
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGINT if p is procs[0] else signal.SIGKILL)
-        for p in procs:
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        _stop_all(procs)
         if not keep:
             shutil.rmtree(data_dir, ignore_errors=True)
+
+
+def _start_coordinator(procs: list[subprocess.Popen], *, port: int, data_dir: Path, env: dict,
+                       workers: int) -> httpx.Client:
+    """`idletrain coordinator serve` in a process of its own (procs[0]); a client of it once it answers."""
+    admin_token = secrets.token_urlsafe(32)  # operator routes always need one; through the environment, not argv
+    coord = subprocess.Popen(
+        [sys.executable, "-m", "idletrain", "--log-level", "WARNING", "coordinator", "serve",
+         "--port", str(port), "--data-dir", str(data_dir / "coordinator")],
+        # every demo worker registers and leases from 127.0.0.1: the per-address limits fit them all
+        env={**env, "IDLETRAIN_ADMIN_TOKEN": admin_token, "IDLETRAIN_REGISTER_BURST": str(max(8, workers)),
+             "IDLETRAIN_MAX_LEASES_PER_ADDRESS": str(max(32, 2 * workers))},
+        stdout=open(data_dir / "logs" / "coordinator.log", "w"),
+        stderr=subprocess.STDOUT)
+    procs.append(coord)
+    client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=600,
+                          headers={"Authorization": f"Bearer {admin_token}"})
+    wait_healthy(client, coord)
+    return client
+
+
+def _create_run(client: httpx.Client, *, workers: int, minutes: float, out) -> None:
+    cfg = demo_config(workers=workers, minutes=minutes)
+    resp = client.post("/api/v1/runs", json=json.loads(cfg.model_dump_json()))
+    if resp.status_code != 201:
+        raise RuntimeError(f"creating the demo run failed: {resp.status_code} {resp.text}")
+    created = resp.json()
+    print(f"run 'demo': {created['n_params']:,} parameters, {created['n_shards']} shards of the Python "
+          f"standard library ({created['train_tokens'] / 1e6:.1f} MB), held-out {created['eval_tokens']:,} bytes",
+          file=out, flush=True)
+
+
+def _start_workers(procs: list[subprocess.Popen], *, url: str, data_dir: Path, env: dict, workers: int) -> None:
+    empty_config = data_dir / "worker.toml"
+    empty_config.write_text("# the demo's workers use their defaults, not ~/.config/idletrain/worker.toml\n")
+    for i in range(workers):
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "idletrain", "worker", "run", "--coordinator", url, "--run", "demo",
+             "--threads", "1", "--device", "cpu", "--state-dir", str(data_dir / f"worker{i}"),
+             "--name", f"demo-worker-{i}",
+             # the demo trains now, whatever this machine's worker.toml says (idleness, battery, caps)
+             "--config", str(empty_config), "--when", "always", "--on-battery", "run"],
+            env=env, stdout=open(data_dir / "logs" / f"worker{i}.log", "w"), stderr=subprocess.STDOUT))
+
+
+def _watch(client: httpx.Client, procs: list[subprocess.Popen], *, minutes: float, out) -> None:
+    """Training time: a progress line (rewritten in place on a terminal, every 15 s otherwise)."""
+    tty = out.isatty()
+    coord = procs[0]
+    t_end = time.monotonic() + minutes * 60
+    last_line = 0.0
+    while time.monotonic() < t_end:
+        time.sleep(1.0)
+        if coord.poll() is not None:
+            raise RuntimeError("the coordinator died; see its log")
+        if all(p.poll() is not None for p in procs[1:]):
+            raise RuntimeError("every worker exited; see their logs")
+        st = client.get("/api/v1/runs/demo/status").json()
+        line = _progress(st, t_end - time.monotonic())
+        if tty:
+            print("\r" + line[:160].ljust(160), end="", file=out, flush=True)
+        elif time.monotonic() - last_line > 15:
+            print(line, file=out, flush=True)
+            last_line = time.monotonic()
+    if tty:
+        print(file=out)
+
+
+def _stop_workers_and_evaluate(client: httpx.Client, procs: list[subprocess.Popen], *, out) -> dict:
+    """Stop the workers (each delivers its round), let the merger drain, evaluate; the run's status."""
+    print("stopping workers (each finishes and delivers its current round)…", file=out, flush=True)
+    for p in procs[1:]:
+        p.send_signal(signal.SIGINT)
+    for p in procs[1:]:
+        try:
+            p.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            p.kill()
+    deadline = time.monotonic() + 120
+    while client.get("/api/v1/runs/demo/status").json()["pending_deltas"] and time.monotonic() < deadline:
+        time.sleep(0.5)
+    client.post("/api/v1/runs/demo/evaluate")
+    return client.get("/api/v1/runs/demo/status").json()
+
+
+def _stop_all(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGINT if p is procs[0] else signal.SIGKILL)
+    for p in procs:
+        try:
+            p.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            p.kill()
 
 
 def _progress(st: dict, left_s: float) -> str:

@@ -25,7 +25,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from idletrain.demo import wait_healthy as _wait_healthy_or_raise
+from idletrain.harness import wait_healthy as _wait_healthy_or_raise
 
 _started: list[subprocess.Popen] = []
 

@@ -8,13 +8,14 @@ import pytest
 from shared.config import OuterConfig
 
 from idletrain import cli
-from idletrain.demo import free_port
+from idletrain.cli import operator
+from idletrain.harness import free_port
 
 SUBCOMMANDS = [[], ["coordinator"], ["coordinator", "serve"], ["coordinator", "migrate"], ["run"], ["run", "create"],
                ["worker"], ["bench", "convergence"], ["bench", "averaging"], ["bench", "merge"], ["bench", "load"],
                ["worker", "run"], ["status"], ["demo"], ["run", "list"], ["run", "show"], ["run", "pause"],
                ["run", "resume"], ["worker", "list"], ["worker", "revoke"], ["worker", "readmit"], ["export"],
-               ["sample"]]
+               ["sample"], ["bench"], ["bench", "utilisation"]]
 
 
 @pytest.mark.parametrize("argv", SUBCOMMANDS, ids=lambda a: " ".join(a) or "idletrain")
@@ -30,8 +31,35 @@ def test_help_lists_the_run_flags(capsys):
     with pytest.raises(SystemExit):
         cli.main(["run", "create", "--help"])
     out = capsys.readouterr().out
-    for flag, *_ in cli.RUN_FLAGS:
+    for flag, *_ in operator.RUN_FLAGS:
         assert flag in out
+
+
+def test_bench_forwards_to_python_m_bench(monkeypatch):
+    """In a source checkout `idletrain bench ARGS` is `python -m bench ARGS`, --log-level passed on."""
+    import bench.__main__
+
+    seen = {}
+
+    def fake_main(argv, prog):
+        seen.update(argv=argv, prog=prog)
+        return 7
+
+    monkeypatch.setattr(bench.__main__, "main", fake_main)
+    assert cli.main(["--log-level", "WARNING", "bench", "merge", "--deltas", "3", "--help"]) == 7
+    assert seen == {"argv": ["--log-level", "WARNING", "merge", "--deltas", "3", "--help"], "prog": "idletrain bench"}
+
+
+def test_bench_without_a_source_checkout_says_where_the_benchmarks_live(monkeypatch, capsys):
+    """The installed package has no bench/: one line saying how to run them, exit 2, no traceback."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "bench", None)  # `import bench` fails as it does outside a checkout
+    monkeypatch.setitem(sys.modules, "bench.__main__", None)
+    assert cli.main(["bench", "convergence", "--profile", "quick"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("idletrain: ") and "Traceback" not in err
+    assert "source repository" in err and "python -m bench convergence" in err and "pip install -e '.[bench]'" in err
 
 
 def test_missing_subcommand_is_a_usage_error(capsys):
@@ -46,8 +74,8 @@ def no_network(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("the CLI contacted the coordinator")
 
-    monkeypatch.setattr(cli.httpx, "post", refuse)
-    monkeypatch.setattr(cli.httpx, "get", refuse)
+    monkeypatch.setattr(httpx, "post", refuse)
+    monkeypatch.setattr(httpx, "get", refuse)
 
 
 @pytest.mark.parametrize("flags, words", [
@@ -115,7 +143,7 @@ def test_run_create_posts_the_config_and_reports_refusals(monkeypatch, capsys):
         sent.update(url=url, json=json, headers=headers)
         return httpx.Response(409, json={"detail": "a run named 'myrun' exists already; pick another name"})
 
-    monkeypatch.setattr(cli.httpx, "post", fake_post)
+    monkeypatch.setattr(httpx, "post", fake_post)
     code = cli.main(["run", "create", "myrun", "--coordinator", "http://127.0.0.1:9", "--admin-token", "s" * 16,
                      "--steps", "7", "--group", "3"])
     assert code == 2
@@ -136,9 +164,9 @@ def test_build_run_config_merges_toml_and_flags(tmp_path):
         '[inner]\nsteps = 20\nbatch_size = 8\nlr = 1e-3\n'
         '[compression]\nindex = "random"\nfraction = 0.05\n'
         '[outer]\ngroup = 6\n')
-    flags = {key: None for _, key, _, _ in cli.RUN_FLAGS}
+    flags = {key: None for _, key, _, _ in operator.RUN_FLAGS}
     flags.update({"inner.steps": 50, "compression.values": "int4", "seed": 9})
-    cfg = cli.build_run_config("mine", str(path), flags)
+    cfg = operator.build_run_config("mine", str(path), flags)
     assert cfg.name == "mine"  # the positional name wins over the file
     assert cfg.shard_tokens == 4096 and cfg.eval_every == 3 and cfg.seed == 9
     assert (cfg.model.n_layer, cfg.model.d_model, cfg.model.n_head, cfg.model.context) == (2, 64, 4, 64)
@@ -149,12 +177,12 @@ def test_build_run_config_merges_toml_and_flags(tmp_path):
 
 
 def test_build_run_config_without_a_file_uses_defaults_and_flags():
-    cfg = cli.build_run_config("plain", None, {"inner.lr": 5e-3, "outer.momentum": None})
+    cfg = operator.build_run_config("plain", None, {"inner.lr": 5e-3, "outer.momentum": None})
     assert cfg.inner.lr == 5e-3 and cfg.inner.steps == 100 and cfg.outer.momentum == OuterConfig().momentum
 
 
 def test_build_run_config_model_and_algorithm_flags():
-    cfg = cli.build_run_config("m", None, {"model.n_layer": 2, "model.d_model": 64, "algorithm": "sparta",
+    cfg = operator.build_run_config("m", None, {"model.n_layer": 2, "model.d_model": 64, "algorithm": "sparta",
                                            "sparta.p": 0.01})
     assert (cfg.model.n_layer, cfg.model.d_model, cfg.model.n_head) == (2, 64, 4)
     assert cfg.algorithm == "sparta" and cfg.sparta.p == 0.01
@@ -164,7 +192,7 @@ def test_build_run_config_rejects_unknown_toml_keys(tmp_path):
     path = tmp_path / "run.toml"
     path.write_text("[inner]\nstepz = 3\n")
     with pytest.raises(ValueError, match="stepz"):
-        cli.build_run_config("mine", str(path), {})
+        operator.build_run_config("mine", str(path), {})
 
 
 def test_format_status_one_line():
@@ -172,7 +200,7 @@ def test_format_status_one_line():
           "rejected_deltas": 0, "workers_active": 2, "workers_total": 3, "tokens_trained": 12345,
           "eval_history": [{"loss": 5.5}, {"loss": 3.25}], "bytes_up": 2_000_000, "bytes_down": 500_000,
           "traffic_ratio_vs_dense": 40.0}
-    line = cli.format_status(st)
+    line = operator.format_status(st)
     assert "version 4" in line and "5.500 -> 3.250" in line and "12,345" in line and "40x" in line
     assert "\n" not in line
 

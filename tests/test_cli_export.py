@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import pytest
 import safetensors.torch
 import torch
@@ -30,8 +31,8 @@ def api(tmp_path, open_api, run_config, make_delta, monkeypatch):
             assert url.startswith(URL)
             return api.client.request(method, url[len(URL):], headers=headers or {})
 
-        monkeypatch.setattr(cli.httpx, "request", request)
-        monkeypatch.setattr(cli.httpx, "get", lambda url, timeout: request("GET", url, timeout=timeout))
+        monkeypatch.setattr(httpx, "request", request)
+        monkeypatch.setattr(httpx, "get", lambda url, timeout: request("GET", url, timeout=timeout))
         yield api
 
 

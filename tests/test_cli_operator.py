@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import shutil
 
+import httpx
 import pytest
 from sqlalchemy import update
 
@@ -25,7 +26,7 @@ def api(tmp_path, open_api, run_config, monkeypatch):
             assert url.startswith(URL)
             return api.client.request(method, url[len(URL):], headers=headers)
 
-        monkeypatch.setattr(cli.httpx, "request", request)
+        monkeypatch.setattr(httpx, "request", request)
         monkeypatch.delenv("IDLETRAIN_ADMIN_TOKEN", raising=False)
         monkeypatch.delenv("IDLETRAIN_DATA_DIR", raising=False)
         monkeypatch.chdir(tmp_path)  # no ./idletrain-data/admin_token but the test's own
@@ -60,7 +61,7 @@ def test_operator_commands_need_the_admin_token(api, capsys, monkeypatch):
 def test_worker_list_revoke_readmit(api, capsys):
     api.register(name="alice", team="blue")
     api.register(name="mallory")
-    with api.coordinator.sessions() as s:
+    with api.db() as s:
         s.execute(update(Worker).where(Worker.name == "mallory").values(
             standing="banned", standing_reason="4 of its last 5 deltas rejected; last: norm 9.1 is 40.0x the median"))
         s.commit()
@@ -91,7 +92,7 @@ def generated(tmp_path, open_api, run_config, monkeypatch):
         def request(method, url, *, timeout, headers):
             return api.client.request(method, url[len(URL):], headers=headers)
 
-        monkeypatch.setattr(cli.httpx, "request", request)
+        monkeypatch.setattr(httpx, "request", request)
         monkeypatch.delenv("IDLETRAIN_ADMIN_TOKEN", raising=False)
         monkeypatch.delenv("IDLETRAIN_DATA_DIR", raising=False)
         monkeypatch.chdir(tmp_path)
@@ -134,7 +135,7 @@ def test_run_create_without_a_token_says_where_to_find_one(generated, capsys, mo
         sent.update(headers=headers)
         return api.client.post(url[len(URL):], json=json, headers=headers)
 
-    monkeypatch.setattr(cli.httpx, "post", post)
+    monkeypatch.setattr(httpx, "post", post)
     assert cli.main(["run", "create", "u", "--coordinator", URL, "--corpus", run_config()["corpus"],
                      "--data-dir", str(data_dir.parent / "nowhere")]) == 2
     err = capsys.readouterr().err

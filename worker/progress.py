@@ -2,7 +2,7 @@
 
     Progress      lease, step/steps, local loss, tokens/s, next sync; updated by the loop and the
                   trainer's step hook, read by the governor's thread (plain attributes: one writer)
-    Utilisation   compute time against wall time (Progress.utilisation; `idletrain bench utilisation`)
+    Utilisation   compute time against wall time (Progress.utilisation; `python -m bench utilisation`)
     describe()    one line from a WorkerStatus (plain logs and `idletrain worker status`)
     RichDisplay   on a terminal: a live panel (rich) that the log lines scroll above
     PlainDisplay  elsewhere (systemd, pipes, tests): a log line at each change of state and one every

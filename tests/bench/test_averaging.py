@@ -168,9 +168,9 @@ def test_profiles():
 
 
 def test_the_command_refuses_bad_options_and_writes_nothing(tmp_path, capsys):
-    from idletrain.cli import main
+    from bench.__main__ import main
 
     for args in (["--profile", "huge"], ["--workers", "1"], ["--threads", "0"]):
-        assert main(["bench", "averaging", "--out", str(tmp_path / "out"), *args]) == 2
+        assert main(["averaging", "--out", str(tmp_path / "out"), *args]) == 2
         assert "idletrain:" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()

@@ -1,4 +1,4 @@
-"""`idletrain bench load` on the small model: 3 workers, think 0.1 s, 2 s measured, against a real
+"""`python -m bench load` on the small model: 3 workers, think 0.1 s, 2 s measured, against a real
 coordinator subprocess on SQLite and on a fresh PostgreSQL schema: the outputs exist and the numbers
 are sane."""
 
@@ -9,8 +9,8 @@ import math
 
 import pytest
 
-from bench.load import build_entries
-from idletrain.cli import main
+from bench.__main__ import main
+from bench.load_client import build_entries
 from shared import codec
 from shared.algorithms.compress import k_for
 from shared.model import ModelConfig, build_model, param_schema
@@ -21,7 +21,7 @@ def _bench(out, *extra: str, duration_s: float = 2) -> dict:
     """One N = 3 run; once more with a window 5x as long when a kind of request got no sample (on a
     machine starved by other work, 2 s can pass before the first lease completes)."""
     for window in (duration_s, 5 * duration_s):
-        rc = main(["bench", "load", "--model", "small", "--workers", "3", "--think-s", "0.1", "--duration-s",
+        rc = main(["load", "--model", "small", "--workers", "3", "--think-s", "0.1", "--duration-s",
                    str(window), "--warmup-s", "0.5", "--shards", "200", "--out", str(out), *extra])
         assert rc == 0
         res = json.loads((out / "results.json").read_text())
@@ -108,8 +108,8 @@ def test_entries_make_valid_deltas_for_any_base_version():
 
 
 def test_cli_refuses_bad_arguments():
-    assert main(["bench", "load", "--model", "gpt5"]) != 0
-    assert main(["bench", "load", "--workers", "0"]) != 0
-    assert main(["bench", "load", "--pull", "everything"]) != 0
-    assert main(["bench", "load", "--fraction", "2"]) != 0
-    assert main(["bench", "load", "--processes", "2", "--sqlite"]) != 0
+    assert main(["load", "--model", "gpt5"]) != 0
+    assert main(["load", "--workers", "0"]) != 0
+    assert main(["load", "--pull", "everything"]) != 0
+    assert main(["load", "--fraction", "2"]) != 0
+    assert main(["load", "--processes", "2", "--sqlite"]) != 0

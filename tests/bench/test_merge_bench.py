@@ -1,4 +1,4 @@
-"""`idletrain bench merge` on a tiny model: every stage runs, and the outputs have their shape."""
+"""`python -m bench merge` on a tiny model: every stage runs, and the outputs have their shape."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from bench.merge import INDEX_KINDS, PARAM_MODELS, make_delta, pseudo_gradient
-from idletrain.cli import main
+from bench.__main__ import main
+from bench.merge import PARAM_MODELS
+from bench.merge_stages import INDEX_KINDS, make_delta, pseudo_gradient
 from shared import codec
 from shared.algorithms.compress import k_for
 from shared.codec import IndexKind, ValueKind
@@ -21,7 +22,7 @@ from shared.model import build_model, get_params, param_schema
 def result(tmp_path_factory) -> tuple[dict, object]:
     out = tmp_path_factory.mktemp("merge")
     threads = torch.get_num_threads()
-    rc = main(["bench", "merge", "--params-model", "tiny", "--deltas", "5", "--snapshot-merges", "1",
+    rc = main(["merge", "--params-model", "tiny", "--deltas", "5", "--snapshot-merges", "1",
                "--db-model", "tiny", "--db-deltas", "3", "--out", str(out)])
     assert rc == 0
     assert torch.get_num_threads() == threads  # --threads does not leak out of the benchmark
@@ -98,6 +99,6 @@ def test_deltas_are_what_workers_send():
 
 
 def test_cli_refuses_bad_arguments(capsys):
-    assert main(["bench", "merge", "--params-model", "gpt5"]) != 0
-    assert main(["bench", "merge", "--fraction", "0"]) != 0
-    assert main(["bench", "merge", "--index", "bogus"]) != 0
+    assert main(["merge", "--params-model", "gpt5"]) != 0
+    assert main(["merge", "--fraction", "0"]) != 0
+    assert main(["merge", "--index", "bogus"]) != 0

@@ -146,7 +146,7 @@ def test_the_barrier_makes_every_round_start_from_one_version(setup):
 
 def test_a_round_takes_the_lr_the_coordinator_would_lease(setup, monkeypatch):
     """The coordinator leases a round at the schedule's position of the tokens delivered so far
-    (coordinator/service.py), not counting those other workers are still training: at equal speeds
+    (coordinator/services/leases.py), not counting those other workers are still training: at equal speeds
     the first round of every worker starts at the top of the schedule, later ones one delivery apart."""
     import bench.sim as sim
 

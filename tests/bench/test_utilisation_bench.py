@@ -1,4 +1,4 @@
-"""`idletrain bench utilisation` at a tiny size: a real coordinator subprocess (and the patched one
+"""`python -m bench utilisation` at a tiny size: a real coordinator subprocess (and the patched one
 that keeps a lease still uploading), a real worker per mode, the outputs written and sane."""
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ from sqlalchemy import create_engine, func, select
 from sqlalchemy.orm import Session
 
 from coordinator.models import DeltaRecord, Lease, Shard, Worker
-from idletrain.demo import free_port
+from idletrain.harness import free_port
 from tests import procs
 from worker.state import StateStore, decode_state, decode_unsent
 

@@ -19,11 +19,11 @@ from sqlalchemy import create_engine, select
 from sqlalchemy.orm import Session
 
 from coordinator.models import DeltaRecord
-from idletrain.demo import free_port
+from idletrain.harness import free_port
 from shared import codec, protocol
 from shared.algorithms.compress import compress
 from shared.config import RunConfig
-from shared.model import ModelConfig, build_model, param_schema
+from shared.model import build_model, param_schema
 from shared.snapshot import decode_snapshot
 from tests.coordinator.test_merger import assert_same, replay
 from tests import procs
@@ -70,7 +70,7 @@ class UploadingWorker(threading.Thread):
                     continue
                 n += 1
                 gen = torch.Generator().manual_seed(1000 * self.idx + n)
-                schema = param_schema(build_model(ModelConfig.from_dict(lease.model)))
+                schema = param_schema(build_model(lease.model))
                 grads = {name: torch.randn(shape, generator=gen) * 1e-3 for name, shape in schema.items()}
                 body = codec.encode(compress(grads, lease.compression, base_version=lease.base_version,
                                              round_seed=lease.seed))

@@ -26,10 +26,10 @@ import uvicorn
 
 from coordinator.app import create_app
 from coordinator.settings import CoordinatorSettings
-from idletrain.demo import free_port
+from idletrain.harness import free_port
 from shared import codec, protocol
 from shared.algorithms.compress import compress
-from shared.model import ModelConfig, build_model, param_schema
+from shared.model import build_model, param_schema
 from tests import procs
 from worker.client import CoordinatorClient
 
@@ -126,7 +126,7 @@ def test_dashboard_renders_in_headless_chromium(tmp_path: Path, corpus_dir: Path
                 client.snapshot("dash", lease.base_version)  # traffic, as a real worker's
                 client.shard("dash", lease.shard_id, expected_sha256=lease.shard_sha256)
                 gen = torch.Generator().manual_seed(100 * rnd + i)
-                schema = param_schema(build_model(ModelConfig.from_dict(lease.model)))
+                schema = param_schema(build_model(lease.model))
                 grads = {n: torch.randn(shape, generator=gen) * 1e-3 for n, shape in schema.items()}
                 body = codec.encode(compress(grads, lease.compression, base_version=lease.base_version,
                                              round_seed=lease.seed))

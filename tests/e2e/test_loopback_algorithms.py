@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from idletrain.demo import free_port
+from idletrain.harness import free_port
 from tests import procs
 
 ROUNDS = 3  # per worker

@@ -24,10 +24,10 @@ import httpx
 import pytest
 import torch
 
-from idletrain.demo import free_port
+from idletrain.harness import free_port
 from shared import codec, protocol
 from shared.algorithms.compress import compress
-from shared.model import ModelConfig, build_model, param_schema
+from shared.model import build_model, param_schema
 from tests import procs
 
 SITE = Path(__file__).resolve().parents[2] / "deploy" / "nginx" / "idletrain.conf"
@@ -70,7 +70,7 @@ def upload_delta(http: httpx.Client, token: str) -> None:
     resp = http.post(f"{P}/leases", headers=auth)
     assert resp.status_code == 200, resp.text
     lease = protocol.Lease.model_validate(resp.json())
-    schema = param_schema(build_model(ModelConfig.from_dict(lease.model)))
+    schema = param_schema(build_model(lease.model))
     gen = torch.Generator().manual_seed(lease.lease_id)
     grads = {name: torch.randn(shape, generator=gen) * 1e-3 for name, shape in schema.items()}
     body = codec.encode(compress(grads, lease.compression, base_version=lease.base_version, round_seed=lease.seed))

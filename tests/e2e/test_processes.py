@@ -25,7 +25,7 @@ from sqlalchemy.orm import Session
 
 from coordinator import leader
 from coordinator.models import Exchange, Lease
-from idletrain.demo import free_port
+from idletrain.harness import free_port
 from shared import codec, protocol
 from shared.algorithms.sparta import exchange_seed, select as sparta_select
 from shared.config import RunConfig

@@ -1,0 +1,34 @@
+"""What every audience's commands share: the one way to fail (a line on stderr, exit 2), the logging
+set-up, and the help texts of the operator's token options."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+from pydantic import ValidationError
+
+log = logging.getLogger("idletrain")
+
+ADMIN_TOKEN_HELP = "default: $IDLETRAIN_ADMIN_TOKEN, else the token file in --data-dir"
+DATA_DIR_HELP = ("the coordinator's data dir, where `serve` keeps admin_token (default: $IDLETRAIN_DATA_DIR, else "
+                 "./idletrain-data)")
+DEFAULT_COORDINATOR = "http://127.0.0.1:8000"
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(level=getattr(logging, level.upper()), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    # One line per HTTP request drowns the worker's own progress lines.
+    logging.getLogger("httpx").setLevel(max(logging.WARNING, getattr(logging, level.upper())))
+    logging.getLogger("alembic").setLevel(max(logging.WARNING, getattr(logging, level.upper())))
+
+
+def fail(msg: str) -> int:
+    print(f"idletrain: {msg}", file=sys.stderr)
+    return 2
+
+
+def describe_validation(exc: ValidationError) -> str:
+    """A pydantic error as one line: `field.path: message; ...`."""
+    return "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
