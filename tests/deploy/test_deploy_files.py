@@ -38,14 +38,16 @@ from sqlalchemy.engine import make_url
 
 from coordinator import admin, hosts
 from coordinator.settings import CoordinatorSettings
-from idletrain.cli import RUN_FLAGS, build_parser, build_run_config
-from idletrain.demo import free_port, wait_healthy
+from idletrain.cli import build_parser
+from idletrain.cli.operator import RUN_FLAGS, build_run_config
+from idletrain.harness import free_port, wait_healthy
 from tests import procs
 from tests.conftest import fresh_database, postgres_reason
 from worker.settings import WorkerSettings, default_state_dir
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
+OPERATIONS = REPO / "docs" / "operations.md"  # the deploy files' guide
 PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
 SECRETS = {"IDLETRAIN_ADMIN_TOKEN": "a" * 32, "POSTGRES_PASSWORD": "b" * 32}  # stand-ins for deploy/.env
 
@@ -575,9 +577,9 @@ def test_plist_is_well_formed_with_the_keys_launchd_needs():
 def test_plist_once_installed_runs_the_worker_with_absolute_paths():
     text = PLIST.read_text()
     assert set(re.findall(r"__[A-Z]+__", text)) == set(MAC)
-    readme = (DEPLOY / "README.md").read_text()
+    guide = OPERATIONS.read_text()
     for placeholder in MAC:
-        assert f"s|{placeholder}|" in readme, f"deploy/README.md's sed does not fill in {placeholder}"
+        assert f"s|{placeholder}|" in guide, f"docs/operations.md's sed does not fill in {placeholder}"
     for placeholder, value in MAC.items():
         text = text.replace(placeholder, value)
     plist = plistlib.loads(text.encode())
@@ -607,16 +609,16 @@ def test_plutil_lint_accepts_the_plist():
     assert res.returncode == 0, res.stdout + res.stderr
 
 
-# -- deploy/README.md ---------------------------------------------------------------------------
+# -- docs/operations.md, the deploy files' guide --------------------------------------------------
 
-def test_readme_names_every_deploy_file_and_only_existing_ones():
-    readme = (DEPLOY / "README.md").read_text()
+def test_operations_guide_names_every_deploy_file_and_only_existing_ones():
+    guide = OPERATIONS.read_text()
     for path in DEPLOY.rglob("*"):
         rel = path.relative_to(DEPLOY).as_posix()
         if path.is_file() and rel not in ("README.md", ".gitignore", ".env"):
-            assert f"`{rel}`" in readme or f"deploy/{rel}" in readme, f"deploy/README.md does not mention {rel}"
-    for rel in re.findall(r"(?<![\w/])deploy/[\w./-]*\w", readme):
-        assert (REPO / rel).exists() or rel == "deploy/.env", f"deploy/README.md names {rel}, which does not exist"
+            assert f"`{rel}`" in guide or f"deploy/{rel}" in guide, f"docs/operations.md does not mention {rel}"
+    for rel in re.findall(r"(?<![\w/])deploy/[\w./-]*\w", guide):
+        assert (REPO / rel).exists() or rel == "deploy/.env", f"docs/operations.md names {rel}, which does not exist"
 
 
 # -- the commands, run -------------------------------------------------------------------------
