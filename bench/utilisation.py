@@ -18,7 +18,7 @@ its uploads paced by --max-upload-kbps (downloads are not limited), once per mod
            the upload runs. Needs a coordinator that keeps that lease (/healthz says
            keeps_delivering_lease). When the coordinator under test does not, this mode runs against
            a second coordinator process whose lease grant gives no earlier lease up
-           (service._end_lease patched to skip "abandoned"), and the results say so.
+           (queries.leases.end_lease patched to skip "abandoned"), and the results say so.
 
 Utilisation = compute / wall, from the worker's first lease request to its last acknowledged
 upload, both measured by the worker (worker.progress.Utilisation): compute is the time spent in

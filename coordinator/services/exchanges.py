@@ -12,7 +12,7 @@ import dataclasses
 
 from sqlalchemy.exc import IntegrityError
 
-from coordinator import limits, timing
+from coordinator import limits, scheduler, timing
 from coordinator.db import Database
 from coordinator.errors import DISK_FULL_RETRY_S, Conflict, Gone, Unavailable, Unprocessable
 from coordinator.models import utcnow
@@ -120,7 +120,7 @@ class ExchangeService:
             cfg = RunConfig.model_validate_json(run.config_json)
             if not ALGORITHMS[cfg.algorithm].exchanges:
                 raise Conflict(f"run {run.name!r} uses {cfg.algorithm!r}, which has no exchanges")
-            if lease.state != "active" or aware(lease.deadline) <= utcnow():
+            if lease.state != "active" or scheduler.is_expired(aware(lease.deadline), utcnow()):
                 state = "expired" if lease.state == "active" else lease.state
                 raise Gone(f"lease {lease_id} is {state}; exchanges need an active lease")
             every, steps = cfg.sparta.every, cfg.inner.steps

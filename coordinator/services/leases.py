@@ -154,7 +154,7 @@ class LeaseService:
         now = now or utcnow()
         with self.db.begin() as c:
             lease = owned(lease_rows.by_id(c, lease_id), lease_id, worker)
-            if lease.state != "active" or aware(lease.deadline) <= now:
+            if lease.state != "active" or scheduler.is_expired(aware(lease.deadline), now):
                 state = "expired" if lease.state == "active" else lease.state
                 raise Gone(f"lease {lease_id} is {state}; it can no longer be renewed")
             cfg = RunConfig.model_validate_json(run_rows.by_id(c, lease.run_id).config_json)

@@ -182,7 +182,7 @@ class UploadService:
             delta_rows.shard_trained(c, lease.shard_id)  # the shard's row is ours now
             # Past its deadline (swept or not), a lease delivers only while its shard was not
             # re-issued: otherwise the shard is trained twice and a hoarder keeps its leases' credit.
-            if ((lease.state == "expired" or aware(delivered.deadline) <= utcnow())
+            if ((lease.state == "expired" or scheduler.is_expired(aware(delivered.deadline), utcnow()))
                     and delta_rows.shard_reissued(c, lease.shard_id, lease_id)):
                 c.rollback()
                 self.storage.delete(staged)
