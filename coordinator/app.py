@@ -21,10 +21,12 @@ from uvicorn.protocols.http.auto import AutoHTTPProtocol
 from coordinator import admin, hosts, leader, limits, timing
 from coordinator.api import (dashboard, downloads, errors, exchanges, leases, metrics, relay, reports, runs, uploads,
                              workers)
+from coordinator.db import driver_url
 from coordinator.merger import Merger
 from coordinator.services.coordinator import Coordinator
 from coordinator.settings import CoordinatorSettings
 from shared import protocol
+from shared.extras import MissingExtra
 
 log = logging.getLogger(__name__)
 
@@ -165,8 +167,14 @@ def create_app(settings: CoordinatorSettings, *, start_merger: bool = True) -> F
 
 def app_from_environment() -> FastAPI:
     """The factory `serve --processes N` hands uvicorn: each process reads the settings from the
-    IDLETRAIN_* environment the parent set."""
-    return create_app(CoordinatorSettings())
+    IDLETRAIN_* environment the parent set. A database driver that is not installed ends the
+    process with one line saying what to install (serve checks it before starting any process)."""
+    settings = CoordinatorSettings()
+    try:
+        driver_url(settings.resolved_database_url)
+    except (MissingExtra, ValueError) as exc:
+        raise SystemExit(f"idletrain: {exc}") from None
+    return create_app(settings)
 
 
 class NoDelayHTTP(AutoHTTPProtocol):

@@ -7,13 +7,54 @@ import time
 from contextlib import AbstractContextManager
 
 from sqlalchemy import Connection, Engine, create_engine, event, exc
+from sqlalchemy.engine import make_url
+
+from shared.extras import MissingExtra, available, install_hint
 
 # A pooled PostgreSQL connection that sat unused this long is pinged before use (a server restart or
 # an idle timeout may have closed it); busy connections are not: a ping is a round trip per checkout.
 PING_IDLE_S = 10.0
 
 
+def driver_url(url: str) -> str:
+    """`url` with its database driver checked before anything connects: MissingExtra (one line, the
+    pip command to run) when the driver is not installed, ValueError for a URL SQLAlchemy cannot use.
+
+    A bare postgresql:// means the driver the `postgres` extra installs, psycopg (3), where it is
+    installed (SQLAlchemy's own default is psycopg2, which that extra does not install); with only
+    psycopg2 installed it stays psycopg2."""
+    try:
+        parsed = make_url(url)
+    except exc.ArgumentError as err:
+        raise ValueError(f"--database-url {url!r} is not a database URL ({err}); e.g. "
+                         "postgresql+psycopg://USER@HOST/DB or sqlite:///PATH") from None
+    if parsed.drivername in ("postgresql", "postgres"):
+        if available("psycopg") or not available("psycopg2"):
+            parsed = parsed.set(drivername="postgresql+psycopg")
+        url = parsed.render_as_string(hide_password=False)
+    shown = parsed.render_as_string(hide_password=True)
+    try:
+        dialect = parsed.get_dialect()
+    except exc.NoSuchModuleError:
+        raise ValueError(f"--database-url {shown}: SQLAlchemy knows no database {parsed.drivername!r}; use "
+                         "postgresql+psycopg://USER@HOST/DB or sqlite:///PATH") from None
+    try:
+        dialect.import_dbapi()
+    except ImportError as err:
+        module = getattr(err, "name", None) or parsed.get_driver_name()
+        if parsed.get_backend_name() == "postgresql" and module.partition(".")[0] == "psycopg":
+            raise MissingExtra(module, "postgres", purpose=f"--database-url {shown}") from None
+        install = f"pip install {module.partition('.')[0]}"
+        if parsed.get_backend_name() == "postgresql":
+            install += f" (or use postgresql+psycopg:// and {install_hint('postgres')})"
+        raise MissingExtra(module, parsed.get_backend_name(), purpose=f"--database-url {shown}",
+                           install=install) from None
+    return url
+
+
 def make_engine(url: str, *, ping_idle_s: float = PING_IDLE_S) -> Engine:
+    """The engine for `url` (driver_url's checks first: a missing driver is MissingExtra)."""
+    url = driver_url(url)
     if url.startswith("sqlite"):
         engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
 

@@ -146,5 +146,8 @@ class CoordinatorSettings(BaseSettings):
 
     @property
     def resolved_database_url(self) -> str:
+        """database_url (postgres:// spelled postgresql://, as SQLAlchemy knows it), else SQLite in data_dir."""
+        if self.database_url and self.database_url.startswith("postgres://"):
+            return "postgresql://" + self.database_url.removeprefix("postgres://")
         return self.database_url or f"sqlite:///{(self.data_dir / 'idletrain.sqlite3').resolve()}"
 

@@ -40,7 +40,9 @@ def cmd_coordinator_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from coordinator.app import NoDelayHTTP, create_app
+    from coordinator.db import driver_url
     from coordinator.settings import CoordinatorSettings
+    from shared.extras import MissingExtra
 
     from coordinator import admin
 
@@ -54,6 +56,10 @@ def cmd_coordinator_serve(args: argparse.Namespace) -> int:
         settings = CoordinatorSettings(**overrides)
     except ValidationError as exc:
         return fail(describe_validation(exc))
+    try:  # before any process starts: a driver missing would otherwise be a traceback in each of them
+        driver_url(settings.resolved_database_url)
+    except (MissingExtra, ValueError) as exc:
+        return fail(str(exc))
     shared_db = settings.resolved_database_url.startswith("postgresql")
     if settings.processes > 1 and not shared_db:
         return fail("several coordinator processes need PostgreSQL (SQLite serves one process): pass "
@@ -95,6 +101,7 @@ def cmd_coordinator_migrate(args: argparse.Namespace) -> int:
     from coordinator import migrate
     from coordinator.db import make_engine
     from coordinator.settings import CoordinatorSettings
+    from shared.extras import MissingExtra
 
     overrides = {k: v for k, v in {"data_dir": args.data_dir, "database_url": args.database_url}.items()
                  if v is not None}
@@ -102,8 +109,11 @@ def cmd_coordinator_migrate(args: argparse.Namespace) -> int:
         settings = CoordinatorSettings(**overrides)
     except ValidationError as exc:
         return fail(describe_validation(exc))
+    try:
+        engine = make_engine(settings.resolved_database_url)
+    except (MissingExtra, ValueError) as exc:
+        return fail(str(exc))
     settings.data_dir.mkdir(parents=True, exist_ok=True)
-    engine = make_engine(settings.resolved_database_url)
     try:
         before = migrate.current(engine)
         if args.check:
