@@ -305,3 +305,92 @@ def test_a_spoofed_x_forwarded_for_does_not_change_the_registration_key(tmp_path
         server.should_exit = True
         thread.join(30)
     assert codes == [404, 429]
+
+
+# -- worker run: how a round fits (worker/fit.py) ------------------------------------------------------
+
+def _worker_settings(monkeypatch, tmp_path, *flags, env: dict | None = None):
+    """The WorkerSettings `idletrain worker run FLAGS` would run with (run_worker replaced)."""
+    import worker.loop
+
+    got = {}
+
+    def run_worker(settings):
+        got["settings"] = settings
+        return 0
+
+    monkeypatch.setattr(worker.loop, "run_worker", run_worker)
+    for key, value in (env or {}).items():
+        monkeypatch.setenv(key, value)
+    assert cli.main(["worker", "run", "--coordinator", "http://127.0.0.1:9", "--run", "r", "--state-dir",
+                     str(tmp_path), "--config", str(_empty_toml(tmp_path)), *flags]) == 0
+    return got["settings"]
+
+
+def _empty_toml(tmp_path):
+    path = tmp_path / "worker.toml"
+    path.write_text("")
+    return path
+
+
+def test_worker_run_takes_micro_batch_precision_and_checkpointing_flags(monkeypatch, tmp_path):
+    for key in ("PRECISION", "MICRO_BATCH", "ACTIVATION_CHECKPOINTING"):
+        monkeypatch.delenv(f"IDLETRAIN_WORKER_{key}", raising=False)
+    default = _worker_settings(monkeypatch, tmp_path)
+    assert (default.micro_batch, default.precision, default.activation_checkpointing) == (None, "auto", False)
+    given = _worker_settings(monkeypatch, tmp_path, "--micro-batch", "4", "--precision", "bf16",
+                             "--activation-checkpointing")
+    assert (given.micro_batch, given.precision, given.activation_checkpointing) == (4, "bf16", True)
+    env = _worker_settings(monkeypatch, tmp_path, env={"IDLETRAIN_WORKER_PRECISION": "fp32",
+                                                       "IDLETRAIN_WORKER_ACTIVATION_CHECKPOINTING": "true"})
+    assert (env.precision, env.activation_checkpointing) == ("fp32", True)
+
+
+def test_worker_run_refuses_a_bad_micro_batch_or_precision(tmp_path, capsys):
+    argv = ["worker", "run", "--coordinator", "http://127.0.0.1:9", "--run", "r", "--state-dir", str(tmp_path),
+            "--config", str(_empty_toml(tmp_path))]
+    assert cli.main([*argv, "--micro-batch", "0"]) == 2
+    assert "micro_batch: Input should be greater than or equal to 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as info:
+        cli.main([*argv, "--precision", "fp8"])
+    assert info.value.code == 2 and "invalid choice: 'fp8'" in capsys.readouterr().err
+
+
+# -- a missing optional extra: one line, non-zero exit, no traceback ---------------------------------
+
+@pytest.fixture
+def no_psycopg(monkeypatch):
+    """As if the PostgreSQL driver were not installed: `import psycopg` fails."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "psycopg", None)
+    monkeypatch.delenv("IDLETRAIN_DATABASE_URL", raising=False)
+
+
+@pytest.mark.parametrize("url", ["postgresql+psycopg://u@127.0.0.1:1/db", "postgresql://u:secret@127.0.0.1:1/db",
+                                 "postgres://u@127.0.0.1:1/db"])
+@pytest.mark.parametrize("extra", [[], ["--processes", "2"]], ids=["one process", "processes"])
+def test_serve_without_the_postgres_driver_says_what_to_install(tmp_path, capsys, monkeypatch, no_psycopg,
+                                                                url, extra):
+    import uvicorn
+
+    monkeypatch.setattr(uvicorn, "run", lambda *a, **kw: pytest.fail("uvicorn started"))
+    assert cli.main(["coordinator", "serve", "--data-dir", str(tmp_path / "d"), "--database-url", url, *extra]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert "'psycopg'" in err and "pip install 'idletrain[postgres]'" in err
+    assert "secret" not in err  # the password is not printed
+    assert not (tmp_path / "d" / "admin_token").exists()  # refused before anything was written
+
+
+def test_migrate_without_the_postgres_driver_says_what_to_install(tmp_path, capsys, no_psycopg):
+    assert cli.main(["coordinator", "migrate", "--data-dir", str(tmp_path / "d"),
+                     "--database-url", "postgresql+psycopg://u@127.0.0.1:1/db"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "pip install 'idletrain[postgres]'" in err
+
+
+def test_serve_with_a_database_sqlalchemy_does_not_know(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("IDLETRAIN_DATABASE_URL", raising=False)
+    assert cli.main(["coordinator", "serve", "--data-dir", str(tmp_path / "d"), "--database-url", "oracle9://x"]) == 2
+    assert "knows no database 'oracle9'" in capsys.readouterr().err

@@ -10,6 +10,7 @@ It only ever connects outward, and it minds its host.
     downloads.py    the lease checked (untrusted), its base model kept current, its shard fetched
     trainer.py      LocalTrainer: one round of local steps -> encoded delta (no network); device pick;
                     the step hook (StepHook) with a gate between steps for pauses
+    fit.py          how a round fits the machine: micro-batches, bf16 autocast, activation checkpointing
     exchanges.py    sparta's exchanges during a round, on a background thread
     saver.py        when the local state is written (checkpoints, the delta before its upload)
     delivery.py     the delta uploaded (with overlap, in the background), the answer settled

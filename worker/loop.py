@@ -41,6 +41,7 @@ from worker.connection import Connection
 from worker.control import ControlFile, StatusFile, StopFlag, WorkerStatus
 from worker.delivery import Delivery, log_round
 from worker.downloads import Downloads
+from worker.fit import FitOptions
 from worker.governor import Governor
 from worker.host import HostMonitor, HostReaders, system_readers
 from worker.lease_keeper import LeaseKeeper
@@ -80,7 +81,9 @@ class Worker:
                                                   max_download_bytes=memory.download_cap_bytes(self.max_params))
         self.connection = Connection(self.client, settings, TokenStore(settings.state_dir), self.stop,
                                      device_type=self.device.type)
-        self.trainer = trainer if trainer is not None else LocalTrainer(self.device)
+        self.trainer = trainer if trainer is not None else LocalTrainer(self.device, fit=FitOptions(
+            precision=settings.precision, micro_batch=settings.micro_batch,
+            activation_checkpointing=settings.activation_checkpointing, max_params=self.max_params))
         self.suspended = False  # the last round was set aside while paused (RoundSuspended)
         # Ask for the next lease while a delta still uploads: only of a coordinator that keeps that
         # lease (None: as its /healthz says, `keeps_delivering_lease`; older coordinators do not say it).

@@ -57,6 +57,17 @@ class WorkerSettings(BaseSettings):
                                 "need more memory than that many parameters' training would (the coordinator is "
                                 "not trusted to size it); default: what this machine's available memory holds "
                                 "(worker/memory.py)")
+    micro_batch: int | None = Field(
+        None, ge=1, le=4096, description="the most sequences per forward/backward pass: a step's batch is split into "
+                                         "micro-batches, their gradients summed before the one optimizer step (the "
+                                         "same step); default: the run's micro_batch_size, split further when this "
+                                         "machine's memory budget (--max-params) needs it")
+    precision: Literal["auto", "fp32", "bf16"] = Field(
+        "auto", description="auto: bf16 autocast on CUDA and MPS where the device computes bf16, fp32 on CPU; "
+                            "fp32; bf16: autocast on any device. Weights, optimizer state and deltas stay fp32")
+    activation_checkpointing: bool = Field(
+        False, description="recompute each block's activations in the backward pass instead of keeping them: less "
+                           "memory, about a third more compute")
     checkpoint_every_steps: int = Field(
         25, ge=0, description="save the round in flight every N local steps (0: only at round end), so a "
                               "kill or a laptop's sleep resumes it; kept under state_dir/runs/")

@@ -16,6 +16,9 @@ restore_state() puts it back; train_round(checkpoint=..., checkpoint_every=N) ha
 caller every N local steps, and train_round(resume=...) continues a round from one, bit for bit
 for diloco (same batches, same AdamW state, same warm-up position).
 
+How a round fits the machine (micro-batches, bf16 autocast, activation checkpointing) is
+worker/fit.py's FitOptions, handed to LocalTrainer; none of it changes the delta's format.
+
 Pauses: train_round(gate=...) asks the gate between local steps whether to go on; the gate may
 block (the worker is paused), first saving the round through the `save` it is handed, and may
 answer False, which ends the call with RoundSuspended (the round resumes later from that save).
@@ -45,6 +48,7 @@ from shared.model import (
     set_params,
 )
 from worker.exchanges import ExchangeFn, RoundExchanges
+from worker.fit import FitOptions, autocast_dtype, checkpoint_blocks, pick_micro_batch
 from worker.state import RoundState, TrainerState, load_optimizer_state, optimizer_state
 
 log = logging.getLogger(__name__)
@@ -132,8 +136,13 @@ class StepHook:
 
 class LocalTrainer:
     def __init__(self, device: torch.device, *, exchange_wait_s: float = 30.0,
-                 max_exchanges_in_flight: int = 4) -> None:
+                 max_exchanges_in_flight: int = 4, fit: FitOptions | None = None) -> None:
+        """`fit`: micro-batches, precision and activation checkpointing (worker/fit.py; default: whole
+        batches in fp32 on CPU, bf16 autocast on CUDA and MPS). A precision the device cannot run
+        raises RuntimeError here."""
         self.device = device
+        self.fit = fit if fit is not None else FitOptions()
+        self.autocast = autocast_dtype(self.fit.precision, device)  # None: fp32
         self.model: TransformerLM | None = None
         self.model_cfg: ModelConfig | None = None
         self.inner_cfg: InnerConfig | None = None  # what the optimizer was made with
@@ -145,6 +154,7 @@ class LocalTrainer:
         self.exchange_wait_s = exchange_wait_s
         self.max_exchanges_in_flight = max_exchanges_in_flight
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._split_logged: tuple | None = None  # the (model, batch) last told to go in micro-batches
 
     @property
     def last_sent(self) -> dict[str, torch.Tensor]:
@@ -160,12 +170,30 @@ class LocalTrainer:
     def _ensure_model(self, lease: protocol.Lease) -> TransformerLM:
         cfg = lease.model
         if self.model is None or cfg != self.model_cfg:
-            self.model = build_model(cfg).to(self.device)
+            self.model = self._build(cfg)
             self.model_cfg = cfg
             self.inner_cfg = lease.inner
             self.opt = make_optimizer(self.model, lease.inner)
             self.residual, self.steps_done, self._replica = {}, 0, False
         return self.model
+
+    def _build(self, cfg: ModelConfig) -> TransformerLM:
+        model = build_model(cfg).to(self.device)
+        if self.fit.activation_checkpointing:
+            checkpoint_blocks(model)
+        return model
+
+    def micro_batch(self, lease: protocol.Lease) -> int | None:
+        """Rows per forward/backward pass for this lease's steps (None: the whole batch at once): the
+        run's micro_batch_size, this worker's --micro-batch, and what its memory holds."""
+        rows = pick_micro_batch(lease.model, lease.inner, cap=self.fit.micro_batch, max_params=self.fit.max_params)
+        wanted = pick_micro_batch(lease.model, lease.inner, cap=self.fit.micro_batch) or lease.inner.batch_size
+        if rows is not None and rows < wanted and (lease.model, lease.inner.batch_size) != self._split_logged:
+            log.info("run %s: a batch of %d at context %d does not fit this worker's memory budget at once; "
+                     "training it in micro-batches of %d rows", lease.run, lease.inner.batch_size,
+                     lease.model.context, rows)
+            self._split_logged = (lease.model, lease.inner.batch_size)
+        return rows
 
     def needs_snapshot(self, lease: protocol.Lease) -> bool:
         """Whether train_round needs the lease's snapshot: always, except when the algorithm starts
@@ -296,7 +324,8 @@ class LocalTrainer:
         """The round's local steps on the model as it stands (worker/distributed.py's LeadTrainer
         overrides this to run them across several processes)."""
         return run_steps(self.model, self.opt, tokens, lease.inner, lr=lease.lr, steps=steps, generator=generator,
-                         step_offset=step_offset, on_step=on_step)
+                         step_offset=step_offset, on_step=on_step, micro_batch=self.micro_batch(lease),
+                         autocast=self.autocast)
 
     # -- checkpoints ------------------------------------------------------------------------------
 
@@ -319,7 +348,7 @@ class LocalTrainer:
         the residual and the warm-up count. Checks everything first (ValueError), then changes it all."""
         cfg = ModelConfig.from_dict(saved.model)
         inner = InnerConfig.model_validate(saved.inner)
-        model = build_model(cfg).to(self.device)
+        model = self._build(cfg)
         set_params(model, {n: t.to(self.device) for n, t in saved.params.items()})
         opt = make_optimizer(model, inner)
         load_optimizer_state(model, opt, saved.optimizer)

@@ -13,7 +13,8 @@ from pydantic import ValidationError
 from idletrain.cli.common import fail, log
 
 WORKER_FLAGS = ["coordinator", "run", "token", "device", "threads", "state_dir", "name", "team", "join_key",
-                "max_rounds", "max_params", "checkpoint_every_steps", "when", "idle_minutes", "on_battery",
+                "max_rounds", "max_params", "micro_batch", "precision", "activation_checkpointing",
+                "checkpoint_every_steps", "when", "idle_minutes", "on_battery",
                 "max_other_load", "max_upload_kbps", "max_download_kbps", "daily_transfer_mb"]
 
 
@@ -108,6 +109,15 @@ def register(sub):
     wrun.add_argument("--max-params", type=int, default=None,
                       help="refuse runs whose model is larger (default: what this machine's available "
                            "memory holds for training)")
+    wrun.add_argument("--micro-batch", type=int, default=None, metavar="N",
+                      help="the most sequences per forward/backward pass: a step's batch goes in micro-batches "
+                           "whose gradients add up to the same step (default: the run's, split further when this "
+                           "machine's memory budget needs it)")
+    wrun.add_argument("--precision", default=None, choices=["auto", "fp32", "bf16"],
+                      help="auto (default): bf16 autocast on CUDA and MPS that compute bf16, fp32 on CPU; "
+                           "weights, optimizer state and deltas stay fp32")
+    wrun.add_argument("--activation-checkpointing", action="store_true", default=None,
+                      help="recompute each block's activations in the backward pass: less memory, ~1/3 more compute")
     wrun.add_argument("--checkpoint-every-steps", type=int, default=None,
                       help="save the round in flight every N local steps so a kill resumes it (default 25; 0: "
                            "only at round end)")

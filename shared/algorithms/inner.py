@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Mapping
 from typing import Protocol
@@ -46,13 +47,19 @@ class GradSync(Protocol):
 
 def run_steps(model: torch.nn.Module, opt: torch.optim.Optimizer, tokens: torch.Tensor, cfg: InnerConfig, *,
               lr: float, steps: int, generator: torch.Generator, step_offset: int = 0,
-              on_step=None, sync: GradSync | None = None) -> list[float]:
+              on_step=None, sync: GradSync | None = None, micro_batch: int | None = None,
+              autocast: torch.dtype | None = None) -> list[float]:
     """`steps` AdamW steps on random windows of `tokens`; returns the training losses.
 
     step_offset counts this worker's earlier steps, so warm-up happens once per worker, not per round.
     sync: train data-parallel with other processes (None: this process alone); the batch drawn is
     the same, so the steps equal this process training the whole batch alone, up to float rounding.
+    micro_batch: rows per forward/backward pass (None: cfg.micro_batch_size, and without that the
+    whole batch at once); the step is the same, up to float rounding (forward_backward).
+    autocast: run forward passes under torch.autocast in this dtype (bf16); weights, gradients and
+    AdamW's state stay fp32. None: no autocast.
     """
+    micro_batch = micro_batch if micro_batch is not None else cfg.micro_batch_size
     context = model.cfg.context
     device = next(model.parameters()).device
     model.train()
@@ -64,9 +71,8 @@ def run_steps(model: torch.nn.Module, opt: torch.optim.Optimizer, tokens: torch.
         x, y = sample_batch(tokens, batch_size=cfg.batch_size, context=context, generator=generator)
         if sync is not None:
             x, y = sync.rows(x, y)
-        _, loss = model(x.to(device), y.to(device))
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        loss = forward_backward(model, x, y, device=device, micro_batch=micro_batch, autocast=autocast)
         value = loss.item() if sync is None else sync.all_reduce(model, loss)
         if cfg.grad_clip:  # after the all-reduce: the whole batch's gradient is clipped, on every process alike
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
@@ -84,6 +90,39 @@ def run_steps(model: torch.nn.Module, opt: torch.optim.Optimizer, tokens: torch.
             raise
         sync.step_done(True)
     return losses
+
+
+def autocast_context(device: torch.device, dtype: torch.dtype | None) -> contextlib.AbstractContextManager:
+    """torch.autocast on `device` in `dtype`, or nothing when dtype is None."""
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def forward_backward(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, *, device: torch.device,
+                     micro_batch: int | None = None, autocast: torch.dtype | None = None) -> torch.Tensor:
+    """Forward and backward of the batch (x, y); returns its mean loss, detached. The gradients are
+    added to the parameters' .grad.
+
+    With micro_batch below the batch's rows, the rows go through in slices of micro_batch, each
+    slice's mean loss scaled by its share of the rows before its backward: every row has the same
+    number of targets, so the gradients summed are the whole batch's mean-loss gradient, only the
+    order of the additions differs. Only one slice's activations are alive at a time."""
+    n = x.size(0)
+    if micro_batch is None or micro_batch >= n:  # the whole batch at once
+        with autocast_context(device, autocast):
+            _, loss = model(x.to(device), y.to(device))
+        loss.backward()
+        return loss.detach()
+    total = torch.zeros((), device=device)
+    for start in range(0, n, micro_batch):
+        xs, ys = x[start:start + micro_batch], y[start:start + micro_batch]
+        with autocast_context(device, autocast):
+            _, loss = model(xs.to(device), ys.to(device))
+        scaled = loss.float() * (xs.size(0) / n)
+        scaled.backward()
+        total += scaled.detach()
+    return total
 
 
 def pseudo_gradient(base: Mapping[str, torch.Tensor], local: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

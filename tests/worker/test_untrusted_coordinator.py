@@ -260,13 +260,18 @@ def test_a_model_above_the_memory_derived_cap_is_refused_without_allocating(tmp_
     assert _rss_bytes() - before < 100 * 2**20  # 1.6B fp32 parameters alone would be 6.4 GB
 
 
-def test_a_lease_whose_batch_and_context_need_more_memory_than_the_cap_is_refused(tmp_path):
-    """A small model is no way around the cap: the activations of batch x context count too."""
+def test_a_lease_whose_context_needs_more_memory_than_the_cap_is_refused(tmp_path):
+    """A small model is no way around the cap: the activations of a context count too. A batch too
+    big at once goes in micro-batches (worker/fit.py); a context too long for one row is refused."""
     model = ModelConfig(vocab_size=256, n_layer=3, n_head=4, d_model=128, context=65536, dropout=0.0)
     lease = make_lease().model_copy(update={"model": model,
                                             "inner": make_lease().inner.model_copy(update={"batch_size": 4096})})
-    with pytest.raises(RuntimeError, match=r"batch 4096 x context 65536 needs about [\d.]+ GB.*--max-params"):
-        _worker(tmp_path, max_params=1_000_000_000)._round(lease)
+    with pytest.raises(RuntimeError, match=r"batch 1 x context 65536 needs about [\d.]+ GB.*--max-params"):
+        _worker(tmp_path, max_params=10_000_000)._round(lease)
+    big = _worker(tmp_path, max_params=1_000_000_000)  # room for a few rows of it at a time, not 4096
+    rows = big.trainer.micro_batch(lease)
+    assert rows is not None and rows < 64
+    big.downloads.check(lease)  # accepted: it trains in micro-batches of `rows`
 
 
 def test_the_default_download_cap_follows_the_parameter_cap(tmp_path):

@@ -157,3 +157,113 @@ def test_run_steps_tells_the_sync_when_on_step_raises():
         run_steps(model, make_optimizer(model, cfg), tokens, cfg, lr=cfg.lr, steps=5,
                   generator=torch.Generator().manual_seed(0), on_step=on_step, sync=sync)
     assert [c for c in sync.calls if c[0] == "step_done"] == [("step_done", True), ("step_done", False)]
+
+
+# -- micro-batches (gradient accumulation) and autocast --------------------------------------------
+
+def _reference_steps(model, opt, tokens, cfg, *, lr, steps, generator):
+    """The inner loop as it was before micro-batches: one forward/backward of the whole batch."""
+    from shared.data import sample_batch
+
+    for _ in range(steps):
+        for group in opt.param_groups:
+            group["lr"] = lr
+        x, y = sample_batch(tokens, batch_size=cfg.batch_size, context=model.cfg.context, generator=generator)
+        _, loss = model(x, y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if cfg.grad_clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        opt.step()
+
+
+@pytest.mark.parametrize("micro_batch", [None, 8, 100])
+def test_the_whole_batch_path_is_bit_identical_to_the_plain_loop(micro_batch):
+    tokens = repetitive_tokens()
+    cfg = InnerConfig(batch_size=8, lr=1e-2, warmup_steps=0, grad_clip=0.5)
+    ours, ref = build_model(TINY, seed=3), build_model(TINY, seed=3)
+    run_steps(ours, make_optimizer(ours, cfg), tokens, cfg, lr=cfg.lr, steps=4,
+              generator=torch.Generator().manual_seed(5), micro_batch=micro_batch)
+    _reference_steps(ref, make_optimizer(ref, cfg), tokens, cfg, lr=cfg.lr, steps=4,
+                     generator=torch.Generator().manual_seed(5))
+    for name, t in get_params(ref).items():
+        assert torch.equal(get_params(ours)[name], t), name
+
+
+@pytest.mark.parametrize("micro_batch", [1, 3, 4])
+def test_micro_batch_gradients_sum_to_the_whole_batch_gradient(micro_batch):
+    from shared.algorithms.inner import forward_backward
+    from shared.data import sample_batch
+
+    tokens = repetitive_tokens()
+    model = build_model(TINY, seed=2)
+    x, y = sample_batch(tokens, batch_size=8, context=TINY.context, generator=torch.Generator().manual_seed(0))
+    _, whole = model(x, y)  # the reference: autograd of the whole batch's mean loss
+    whole.backward()
+    expected = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    loss = forward_backward(model, x, y, device=torch.device("cpu"), micro_batch=micro_batch)
+    assert loss.item() == pytest.approx(whole.item(), rel=1e-6)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, expected[n], rtol=1e-5, atol=1e-7)
+
+
+def test_k_steps_in_micro_batches_end_at_the_same_params():
+    """Same batches, 1 vs 4 micro-batches: plain SGD (linear in the gradient, so a mis-scaled
+    micro-batch shows) and AdamW (the worker's optimizer) end where the whole batches do."""
+    tokens = repetitive_tokens()
+    cfg = InnerConfig(batch_size=8, lr=1e-2, warmup_steps=0, grad_clip=0.0)
+    for make_opt, atol in ((lambda m: torch.optim.SGD(m.parameters(), lr=0.5), 1e-6), (make_optimizer, 1e-4)):
+        ends, losses = [], []
+        for micro_batch in (None, 2):  # 8 rows: once, or 4 micro-batches of 2
+            model = build_model(TINY, seed=4)
+            opt = make_opt(model) if make_opt is not make_optimizer else make_optimizer(model, cfg)
+            losses.append(run_steps(model, opt, tokens, cfg, lr=cfg.lr if make_opt is make_optimizer else 0.5,
+                                    steps=6, generator=torch.Generator().manual_seed(9), micro_batch=micro_batch))
+            ends.append(get_params(model))
+        assert losses[0] == pytest.approx(losses[1], rel=1e-5)
+        moved = max((ends[0][n] - build_model(TINY, seed=4).state_dict()[n]).abs().max().item() for n in ends[0])
+        assert moved > 100 * atol  # the steps moved the model well beyond the tolerance
+        for n, t in ends[0].items():
+            torch.testing.assert_close(ends[1][n], t, rtol=0, atol=atol)
+
+
+def test_micro_batch_size_in_the_config_is_used_and_validated():
+    tokens = repetitive_tokens()
+    seen = []
+
+    class Recording(torch.nn.Module):  # the model, recording the rows of each forward pass
+        def __init__(self):
+            super().__init__()
+            self.inner = build_model(TINY, seed=0)
+            self.cfg = TINY
+
+        def forward(self, x, y):
+            seen.append(x.shape[0])
+            return self.inner(x, y)
+
+    model = Recording()
+    cfg = InnerConfig(batch_size=10, micro_batch_size=4, warmup_steps=0)
+    run_steps(model, make_optimizer(model, cfg), tokens, cfg, lr=1e-3, steps=1, generator=torch.Generator())
+    assert seen == [4, 4, 2]
+    seen.clear()
+    run_steps(model, make_optimizer(model, cfg), tokens, cfg, lr=1e-3, steps=1, generator=torch.Generator(),
+              micro_batch=5)  # the caller's (the worker's) choice wins
+    assert seen == [5, 5]
+    with pytest.raises(ValueError, match="micro_batch_size"):
+        InnerConfig(micro_batch_size=0)
+
+
+def test_bf16_autocast_on_cpu_trains_with_fp32_weights():
+    tokens = repetitive_tokens()
+    cfg = InnerConfig(batch_size=8, lr=1e-2, warmup_steps=0)
+    ends = []
+    for autocast in (None, torch.bfloat16):
+        model = build_model(TINY, seed=0)
+        losses = run_steps(model, make_optimizer(model, cfg), tokens, cfg, lr=cfg.lr, steps=20,
+                           generator=torch.Generator().manual_seed(0), autocast=autocast)
+        assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0] - 1.0
+        assert all(p.dtype == torch.float32 for p in model.parameters())
+        ends.append(get_params(model))
+    diff = max((ends[0][n] - ends[1][n]).abs().max().item() for n in ends[0])
+    assert 0 < diff < 0.1  # bf16 rounding: not the fp32 run bit for bit, but close to it
