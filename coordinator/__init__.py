@@ -23,6 +23,7 @@
     admin.py        the operator's admin token: given, or generated into data_dir/admin_token (0600)
     hosts.py        Host header validation (DNS rebinding): the pure check and its ASGI middleware
     corpora.py      which corpus paths a run may read (pure): the allowed folders, symlinks resolved
+    datasets.py     a run's tokens from a raw corpus or a prepared folder (streamed): shards, eval, tokenizer
     models.py       the database schema;  db.py  the engine and Database;  migrate.py, migrations/
     static/         dashboard.html, the page GET / serves
 """

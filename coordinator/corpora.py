@@ -15,18 +15,19 @@ from coordinator.errors import Unprocessable
 from shared.data import BUILTIN
 
 
-def confine(source: str, allowed: Sequence[Path]) -> str:
+def confine(source: str, allowed: Sequence[Path], *, what: str = "corpus") -> str:
     """The corpus to load: BUILTIN as is, else `source` resolved, when inside one of `allowed`
-    (resolved folders); anything else is refused with 422 naming them and how to add one."""
-    if source == BUILTIN:
+    (resolved folders); anything else is refused with 422 naming them and how to add one. `what`
+    names it in those messages ("corpus", or "data" for a prepared folder)."""
+    if source == BUILTIN and what == "corpus":
         return source
     try:
         path = Path(source).expanduser().resolve()
     except (OSError, RuntimeError) as exc:  # a symlink loop, an unreadable path component
-        raise Unprocessable(f"corpus {source!r} cannot be resolved ({exc})") from None
+        raise Unprocessable(f"{what} {source!r} cannot be resolved ({exc})") from None
     if any(path.is_relative_to(root) for root in allowed):
         return str(path)
     folders = ", ".join(str(root) for root in allowed)
-    raise Unprocessable(f"corpus {source!r} is outside the folders corpora may come from ({folders}): move it into "
+    raise Unprocessable(f"{what} {source!r} is outside the folders corpora may come from ({folders}): move it into "
                         f"one, or start the coordinator with IDLETRAIN_CORPUS_DIRS (or `serve --corpus-dir`) naming "
                         f"its folder; {BUILTIN!r} is always allowed")

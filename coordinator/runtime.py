@@ -36,6 +36,7 @@ from shared.algorithms.inner import make_optimizer, pseudo_gradient, run_steps
 from shared.algorithms.flat_outer import FlatOuter
 from shared.algorithms.outer import OuterState, staleness_weight
 from shared.config import RunConfig
+from shared.data import tokens_from_bytes
 from shared.errors import DeltaFormatError
 from shared.model import TransformerLM, build_model, evaluate_loss, get_params, param_schema, set_params
 from shared.snapshot import parts_sha256, run_snapshot_parts
@@ -334,8 +335,9 @@ class RunRuntime:
 
     def eval_tokens(self) -> torch.Tensor:
         if self._eval_tokens is None:
-            raw = np.frombuffer(self.storage.read(self.storage.eval_tokens(self.run_id)), dtype=np.uint8)
-            self._eval_tokens = torch.from_numpy(raw[: self.config.eval_tokens].copy())
+            raw = self.storage.read(self.storage.eval_tokens(self.run_id))
+            width = np.dtype(self.config.tokens.dtype).itemsize
+            self._eval_tokens = tokens_from_bytes(raw[: self.config.eval_tokens * width], self.config.tokens.dtype)
         return self._eval_tokens
 
     def evaluate(self) -> float:

@@ -1,4 +1,4 @@
-"""Blobs in the data dir: shards, snapshots, model updates, received deltas, checkpoints.
+"""Blobs in the data dir: shards, the eval split, the tokenizer, snapshots, model updates, received deltas, checkpoints.
 
     BlobStore    what the coordinator needs of a place for named blobs ("runs/3/deltas/0000000012.delta"):
                  read / write / delete / list, and exists, move and modified_at; the seam an object
@@ -181,6 +181,11 @@ class Storage:
 
     def eval_tokens(self, run_id: int) -> str:
         return f"{self.run_dir(run_id)}/eval.bin"
+
+    def tokenizer(self, run_id: int) -> str:
+        """The run's tokenizer.json (shared/tokenizer.py), served as is; none for runs from before tokenizers
+        (they are the bytes tokenizer's)."""
+        return f"{self.run_dir(run_id)}/tokenizer.json"
 
     def snapshot(self, run_id: int, version: int) -> str:
         return f"{self.run_dir(run_id)}/snapshots/{version:010d}.safetensors.zst"

@@ -26,6 +26,11 @@ class InnerConfig(_Strict):
 
     steps: int = Field(100, ge=1, le=100_000, description="H: local AdamW steps per round")
     batch_size: int = Field(16, ge=1, le=4096, description="sequences per local step")
+    micro_batch_size: int | None = Field(
+        None, ge=1, le=4096, description="sequences per forward/backward pass: a step's batch is split into "
+                                         "micro-batches whose gradients are summed before the one AdamW step "
+                                         "(the same step, up to float rounding); none: the whole batch at once. "
+                                         "A worker splits further when its memory needs it (worker run --micro-batch)")
     lr: float = Field(2e-3, gt=0, le=1.0, description="peak inner learning rate")
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="cosine floor, as a fraction of lr")
     warmup_steps: int = Field(50, ge=0, le=100_000, description="each worker's first local steps ramp up")
@@ -148,6 +153,18 @@ class SpartaConfig(_Strict):
     values: Literal["fp32", "fp16"] = "fp16"
 
 
+class TokensConfig(_Strict):
+    """What the run's token ids are. The coordinator sets it when it creates the run, from the data's
+    manifest (`data`) or as the bytes tokenizer (`corpus`); what a request says here is replaced."""
+
+    tokenizer: Literal["bytes", "bpe"] = "bytes"
+    tokenizer_sha256: str | None = Field(None, pattern=r"^[0-9a-f]{64}$",
+                                         description="of the tokenizer.json served at /runs/{run}/tokenizer")
+    dtype: Literal["uint8", "uint16", "uint32"] = Field(
+        "uint8", description="little-endian ids in shards and the eval split: uint8 for bytes, uint16, uint32 for "
+                             "a vocab above 65,536")
+
+
 class RunConfig(_Strict):
     name: str = Field(pattern=NAME_PATTERN)
     algorithm: AlgorithmName = Field(
@@ -156,6 +173,9 @@ class RunConfig(_Strict):
                               "no pseudo-gradient; sparta+diloco: both")
     model: ModelConfig = Field(default_factory=ModelConfig)
     corpus: str = Field(BUILTIN, description=f"{BUILTIN!r}, or a text file/folder on the coordinator's disk")
+    data: str | None = Field(None, description="instead of corpus: a folder made by `idletrain data prepare` on the "
+                                               "coordinator's disk (its tokenizer, shards and held-out split)")
+    tokens: TokensConfig = Field(default_factory=TokensConfig, description="set by the coordinator (TokensConfig)")
     corpus_max_bytes: int = Field(16 << 20, ge=1 << 16, le=1 << 36)
     shard_tokens: int = Field(1 << 18, ge=1024, le=1 << 30, description="tokens per data shard")
     shuffle_shards: bool = Field(True, description="number the shards (the order leases hand them out in) in an "
@@ -187,6 +207,8 @@ class RunConfig(_Strict):
 
     @model_validator(mode="after")
     def _fits(self) -> RunConfig:
+        if self.data is not None and self.corpus != BUILTIN:
+            raise ValueError(f"give corpus ({self.corpus!r}) or data ({self.data!r}), not both")
         if self.shard_tokens < self.model.context + 1:
             raise ValueError(f"shard_tokens ({self.shard_tokens}) must exceed the context ({self.model.context})")
         return self

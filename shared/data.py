@@ -107,6 +107,21 @@ def sha256_hex(data: bytes | np.ndarray) -> str:
     return hashlib.sha256(data.tobytes() if isinstance(data, np.ndarray) else data).hexdigest()
 
 
+def tokens_from_bytes(raw: bytes | bytearray | memoryview, dtype: str = "uint8") -> torch.Tensor:
+    """A 1-D token tensor from little-endian ids of `dtype` (a shard, the eval split): uint8 as it is,
+    uint16 as int32 and uint32 as int64 (torch indexes neither unsigned type). ValueError when the
+    bytes are not a whole number of ids."""
+    width = np.dtype(dtype).itemsize
+    if dtype not in ("uint8", "uint16", "uint32"):
+        raise ValueError(f"token dtype {dtype!r} is not uint8, uint16 or uint32")
+    if len(raw) % width:
+        raise ValueError(f"{len(raw)} bytes are not a whole number of {dtype} tokens")
+    ids = np.frombuffer(raw, dtype=np.dtype(dtype).newbyteorder("<"))
+    if dtype == "uint8":
+        return torch.from_numpy(ids.copy())
+    return torch.from_numpy(ids.astype(np.int32 if dtype == "uint16" else np.int64))
+
+
 def sample_batch(tokens: torch.Tensor, *, batch_size: int, context: int,
                  generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """Random windows of a 1-D token tensor: inputs (B, T) and next-token targets (B, T)."""

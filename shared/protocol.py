@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from datetime import datetime
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -12,7 +13,9 @@ from shared.algorithms.registry import NAMES, AlgorithmName
 from shared.config import NAME_PATTERN, CompressionConfig, InnerConfig, RunConfig, SpartaConfig
 from shared.model import ModelConfig
 
-API_VERSION = 1
+# 2: leases carry the token dtype and the tokenizer's hash, the model's arch fields and the inner
+# micro-batch; a version-1 worker would refuse them, so it is told to upgrade instead.
+API_VERSION = 2
 API_PREFIX = "/api/v1"
 
 # Custom headers on binary answers and uploads.
@@ -83,6 +86,11 @@ class Lease(_Body):
     sparta: SpartaConfig = Field(default_factory=SpartaConfig,
                                  description="exchange settings; used when the algorithm exchanges "
                                              "(shared/algorithms/registry.py)")
+    token_dtype: Literal["uint8", "uint16", "uint32"] = Field(
+        "uint8", description="the shard's ids: little-endian uint8 (bytes), uint16, or uint32 for a vocab above "
+                             "65,536 (RunConfig.tokens.dtype); absent from older coordinators: uint8")
+    tokenizer_sha256: str | None = Field(None, pattern=SHA256_PATTERN,
+                                         description="SHA-256 of the run's tokenizer.json (GET /runs/{run}/tokenizer)")
     init_seed: int | None = Field(None, ge=0, le=MAX_ID,
                                   description="the run's seed: version 0 is the model built from it, so a "
                                               "worker can make it and only check its hash (If-None-Match) "

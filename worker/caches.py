@@ -1,5 +1,5 @@
-"""Two small stores under the worker's state dir: its credentials per (coordinator, run), and the
-shards it downloaded, by content hash."""
+"""Small stores under the worker's state dir: its credentials per (coordinator, run), and the shards
+and tokenizers it downloaded, by content hash."""
 
 from __future__ import annotations
 
@@ -53,15 +53,20 @@ class ShardCache:
     path must stay under the cache's folder, and a hit is hashed again before use (a file that
     rotted or was replaced is deleted and the shard fetched anew, never trained on)."""
 
-    def __init__(self, root: Path, max_files: int = 256) -> None:
-        self.root = root / "shards"
-        self.max_files = max_files
+    def __init__(self, root: Path, max_files: int = 256, *, folder: str = "shards", suffix: str = ".bin") -> None:
+        self.root = root / folder
+        self.max_files, self.suffix = max_files, suffix
+
+    @classmethod
+    def tokenizers(cls, root: Path) -> ShardCache:
+        """The same store for runs' tokenizer.json files (`tokenizers/<sha256>.json`)."""
+        return cls(root, 16, folder="tokenizers", suffix=".json")
 
     def path(self, sha: str) -> Path:
         """The file of shard `sha`; ValueError when `sha` is not a digest (an absolute path, '../x')."""
         if not isinstance(sha, str) or _SHA256.fullmatch(sha) is None:
             raise ValueError(f"shard hash {str(sha)[:80]!r} is not 64 lowercase hex characters")
-        path = self.root / f"{sha}.bin"
+        path = self.root / f"{sha}{self.suffix}"
         if path.parent.resolve() != self.root.resolve():  # a symlinked file name cannot be made of hex
             raise ValueError(f"shard file {path} is outside the cache {self.root}")
         return path
@@ -73,7 +78,7 @@ class ShardCache:
         except FileNotFoundError:
             return None
         if hashlib.sha256(raw).hexdigest() != sha:
-            log.warning("cached shard %s fails its SHA-256 (corrupted or replaced); deleting it and fetching "
+            log.warning("cached file %s fails its SHA-256 (corrupted or replaced); deleting it and fetching "
                         "it again", path.name)
             path.unlink(missing_ok=True)
             return None
@@ -82,7 +87,7 @@ class ShardCache:
     def put(self, sha: str, raw: bytes) -> None:
         path = self.path(sha)
         self.root.mkdir(parents=True, exist_ok=True)
-        files = sorted(self.root.glob("*.bin"), key=lambda p: p.stat().st_mtime)
+        files = sorted(self.root.glob(f"*{self.suffix}"), key=lambda p: p.stat().st_mtime)
         for old in files[: max(0, len(files) - self.max_files + 1)]:
             old.unlink(missing_ok=True)
         tmp = self.root / f".{sha}.tmp"

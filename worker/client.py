@@ -284,7 +284,8 @@ class CoordinatorClient:
         return resp.content
 
     def shard(self, run: str, index: int, *, expected_sha256: str, max_tokens: int = 1 << 30) -> bytes:
-        """The raw uint8 tokens of a shard, checked against the hash the lease announced."""
+        """The raw tokens of a shard (little-endian ids of the lease's token_dtype), checked against the
+        hash the lease announced; `max_tokens` caps its bytes."""
         resp = self._download(f"{protocol.API_PREFIX}/runs/{run}/shards/{index}")
         try:
             raw = zstandard.ZstdDecompressor().stream_reader(resp.content).read(max_tokens + 1)
@@ -293,6 +294,13 @@ class CoordinatorClient:
         if len(raw) > max_tokens or hashlib.sha256(raw).hexdigest() != expected_sha256:
             raise IntegrityError(f"shard {index} does not match its announced SHA-256")
         return raw
+
+    def tokenizer(self, run: str, *, expected_sha256: str) -> bytes:
+        """The run's tokenizer.json, checked against the hash the lease announced."""
+        resp = self._download(f"{protocol.API_PREFIX}/runs/{run}/tokenizer")
+        if hashlib.sha256(resp.content).hexdigest() != expected_sha256:
+            raise IntegrityError(f"the tokenizer of run {run!r} does not match its announced SHA-256")
+        return resp.content
 
     def renew(self, lease_id: int, *, step: int) -> protocol.LeaseRenewed:
         """Extend a live lease; `step` is the round's local step now (the coordinator renews a lease

@@ -8,7 +8,8 @@ coordinator no longer keeps the version held). Version 0, the first time, is bui
 run's seed, and only its hash is checked (a 304, no body).
 
 The shard: the cached copy (worker/caches.py, hashed again), else downloaded and checked, and
-fetched again with backoff when it fails its hash or its zstd.
+fetched again with backoff when it fails its hash or its zstd; its ids are the lease's token_dtype
+(uint8 bytes, uint16, uint32). The run's tokenizer.json is cached beside the shards, once per run.
 """
 
 from __future__ import annotations
@@ -16,11 +17,11 @@ from __future__ import annotations
 import logging
 
 import httpx
-import numpy as np
 import torch
 
 from shared import codec, protocol
 from shared.algorithms import sync
+from shared.data import tokens_from_bytes
 from shared.errors import DeltaFormatError, SnapshotError
 from shared.model import meta_schema
 from shared.snapshot import decode_snapshot, version_zero
@@ -59,6 +60,8 @@ class Downloads:
         self.held: tuple[int, dict[str, torch.Tensor]] | None = None  # (version, params)
         self.hops = 0  # incremental updates applied since the last full snapshot
         self.join_bytes: int | None = None  # what the first base cost to download (0: version 0 built here)
+        self.tokenizers = ShardCache.tokenizers(shards.root.parent)  # beside the shards
+        self.tokenizers_seen: set[str] = set()  # fetched (or tried) by this process
 
     def check(self, lease: protocol.Lease) -> None:
         """A lease not in the protocol's exact form (ids, hashes, names, model config) raises
@@ -66,11 +69,12 @@ class Downloads:
         hold, sized on the meta device before anything of it exists, raises RuntimeError: every
         lease of the run is the same model, so the worker stops, saying which flag raises the limit."""
         try:  # again: a lease may come from disk or a test, not only through the client's parsing
-            model = protocol.Lease.model_validate(lease.model_dump()).model
+            checked = protocol.Lease.model_validate(lease.model_dump())
         except ValueError as exc:
             raise invalid_answer(f"lease {lease.lease_id!r}", exc) from None
-        too_big = memory.lease_too_big(model, batch_size=lease.inner.batch_size,
-                                       max_params=self.max_params)
+        # sized at the rows per pass the trainer will use (a batch too big at once goes in micro-batches)
+        too_big = memory.lease_too_big(checked.model, max_params=self.max_params,
+                                       batch_size=self.trainer.micro_batch(checked) or checked.inner.batch_size)
         if too_big is not None:
             raise RuntimeError(f"run {lease.run!r}: {too_big}; not training it")
 
@@ -174,4 +178,21 @@ class Downloads:
                 self.stop.event.wait(delay)
                 continue
             self.shards.put(lease.shard_sha256, raw)
-        return torch.from_numpy(np.frombuffer(raw, dtype=np.uint8).copy())
+        self.fetch_tokenizer(lease)
+        try:
+            return tokens_from_bytes(raw, lease.token_dtype)
+        except ValueError as exc:  # its hash matched: the coordinator's shard and dtype disagree
+            raise IntegrityError(f"shard {lease.shard_id}: {exc}") from None
+
+    def fetch_tokenizer(self, lease: protocol.Lease) -> None:
+        """The run's tokenizer.json into the cache (by hash, checked), once per run; training does not
+        need it, so a failure is logged and the round goes on."""
+        sha = lease.tokenizer_sha256
+        if sha is None or sha in self.tokenizers_seen:
+            return
+        self.tokenizers_seen.add(sha)
+        try:
+            if self.tokenizers.get(sha) is None:
+                self.tokenizers.put(sha, self.client.tokenizer(lease.run, expected_sha256=sha))
+        except (ValueError, IntegrityError, CoordinatorError, httpx.TransportError, OSError) as exc:
+            log.warning("run %s: its tokenizer was not fetched (%s); training goes on without it", lease.run, exc)

@@ -1,4 +1,5 @@
-"""Binary downloads (DownloadService): model snapshots (immutable, cacheable), model updates, data shards."""
+"""Binary downloads (DownloadService): model snapshots (immutable, cacheable), model updates, data shards,
+the run's tokenizer."""
 
 from __future__ import annotations
 
@@ -46,7 +47,21 @@ async def model_update(run: str, from_version: RowId, to_version: RowId, coord: 
 @router.get("/runs/{run}/shards/{shard}", response_class=Response, responses=_BINARY)
 async def shard(run: str, shard: RowId, coord: CoordinatorDep,
                 worker: CurrentWorker) -> Response:
-    """A data shard: zstd-compressed uint8 byte tokens; X-Content-SHA256 is of the raw tokens."""
+    """A data shard: zstd-compressed little-endian token ids (the lease's token_dtype: uint8 bytes, uint16
+    or uint32); X-Content-SHA256 is of the raw ids."""
     blob, sha = await run_in_threadpool(coord.downloads.shard, run, shard, worker)
     return Response(blob, media_type="application/octet-stream",
                     headers={protocol.H_SHA256: sha, "Cache-Control": "private, max-age=31536000, immutable"})
+
+
+@router.get("/runs/{run}/tokenizer", response_class=Response,
+            responses={200: {"content": {"application/json": {}}, "description": "the run's tokenizer.json"}})
+async def tokenizer(run: str, request: Request, coord: CoordinatorDep) -> Response:
+    """The run's tokenizer (a Hugging Face tokenizers JSON file: `bytes` or BPE); ETag and
+    X-Content-SHA256 are its SHA-256, which the lease announces (Lease.tokenizer_sha256)."""
+    blob, sha = await run_in_threadpool(coord.downloads.tokenizer, run,
+                                        if_none_match=request.headers.get("if-none-match"))
+    headers = {protocol.H_SHA256: sha, "ETag": f'"{sha}"', "Cache-Control": "public, max-age=31536000, immutable"}
+    if blob is None:
+        return Response(status_code=304, headers=headers)
+    return Response(blob, media_type="application/json", headers=headers)

@@ -23,8 +23,8 @@ async def list_runs(coord: CoordinatorDep) -> list[protocol.RunSummary]:
     return await run_in_threadpool(coord.runs.list)
 
 
-# Public: neither the join key nor the corpus (a path on the coordinator's disk) leaves the operator.
-@router.get("/runs/{run}/config", response_model=RunConfig, response_model_exclude={"join_key", "corpus"})
+# Public: neither the join key nor the corpus or data (paths on the coordinator's disk) leaves the operator.
+@router.get("/runs/{run}/config", response_model=RunConfig, response_model_exclude={"join_key", "corpus", "data"})
 async def run_config(run: str, coord: CoordinatorDep) -> RunConfig:
     return await run_in_threadpool(coord.runs.config, run)
 

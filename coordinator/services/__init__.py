@@ -6,7 +6,7 @@
                     the newest snapshot, pruning what every kept checkpoint holds
     workers.py      WorkerService: register, authenticate, list / revoke / readmit, standing (trust)
     leases.py       LeaseService: grant (the SQL shard pick), renew, release, expire
-    downloads.py    DownloadService: snapshots, model updates, shards
+    downloads.py    DownloadService: snapshots, model updates, shards, the run's tokenizer
     uploads.py      UploadService: precheck, accept (validate, stage, acknowledge)
     exchanges.py    ExchangeService: sparse exchanges (sparta) with the live model
     reports.py      ReportService: evaluate, status, the dashboard, /metrics' numbers

@@ -1,4 +1,5 @@
-"""Downloads: model snapshots, model updates (the int8 change between two kept versions) and shards."""
+"""Downloads: model snapshots, model updates (the int8 change between two kept versions), shards and
+the run's tokenizer."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from shared import codec
 from shared.algorithms import sync
 from shared.config import RunConfig
 from shared.snapshot import decode_snapshot
+from shared.tokenizer import bytes_tokenizer
 
 
 class DownloadService:
@@ -102,3 +104,25 @@ class DownloadService:
         blob = self.storage.read(self.storage.shard(row.run_id, row.index))
         self.traffic.add(row.run_id, worker.id, down_data=len(blob))
         return blob, row.sha256
+
+    def tokenizer(self, run_name: str, *, if_none_match: str | None = None) -> tuple[bytes | None, str]:
+        """(the run's tokenizer.json, its sha256); None when `if_none_match` is its ETag. Runs from
+        before tokenizers were stored are the bytes tokenizer's."""
+        with self.db.read() as c:
+            run = named_run(run_rows.by_name(c, run_name), run_name)
+        sha = RunConfig.model_validate_json(run.config_json).tokens.tokenizer_sha256
+        if sha is None:
+            legacy = bytes_tokenizer()
+            sha, blob = legacy.sha256, legacy.to_json().encode()
+        elif if_none_match == f'"{sha}"':
+            return None, sha
+        else:
+            try:
+                blob = self.storage.read(self.storage.tokenizer(run.id))
+            except FileNotFoundError:
+                raise NotFound(f"run {run_name!r} has lost its tokenizer file; the operator must restore "
+                               f"{self.storage.tokenizer(run.id)} in the data dir") from None
+        if if_none_match == f'"{sha}"':
+            return None, sha
+        self.traffic.add(run.id, down_data=len(blob))
+        return blob, sha

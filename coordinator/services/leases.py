@@ -140,7 +140,8 @@ class LeaseService:
             lease_id=lease_id, run=run.name, shard_id=claimed.index, shard_sha256=claimed.sha256,
             base_version=base_version, seed=seed, lr=lr, inner=cfg.inner,
             compression=cfg.compression, model=cfg.model.to_dict(), deadline=deadline,
-            algorithm=cfg.algorithm, sparta=cfg.sparta, init_seed=cfg.seed)
+            algorithm=cfg.algorithm, sparta=cfg.sparta, init_seed=cfg.seed,
+            token_dtype=cfg.tokens.dtype, tokenizer_sha256=cfg.tokens.tokenizer_sha256)
 
     def renew(self, lease_id: int, worker: Caller, *, step: int | None = None,
               now: datetime | None = None) -> protocol.LeaseRenewed:

@@ -9,7 +9,7 @@ import logging
 import time
 from collections.abc import Callable
 
-import torch
+import numpy as np
 import zstandard
 from sqlalchemy import Row
 from sqlalchemy.exc import SQLAlchemyError
@@ -27,6 +27,7 @@ from coordinator.settings import CoordinatorSettings
 from coordinator.storage import Storage
 from shared import codec
 from shared.config import RunConfig
+from shared.data import tokens_from_bytes
 
 log = logging.getLogger(__name__)
 
@@ -124,7 +125,8 @@ class RecoveryService:
             raw = dctx.stream_reader(self.storage.read(name)).read()
             parts.append(raw)
             n, i = n + len(raw), i + 1
-        tokens = torch.frombuffer(bytearray(b"".join(parts)[:self.CALIBRATION_TOKENS]), dtype=torch.uint8)
+        dtype = rt.config.tokens.dtype
+        tokens = tokens_from_bytes(b"".join(parts)[:self.CALIBRATION_TOKENS * np.dtype(dtype).itemsize], dtype)
         if tokens.numel() <= rt.config.model.context:
             log.warning("run %s: too few training tokens for a reference round; deltas are screened without one",
                         rt.config.name)

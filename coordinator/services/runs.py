@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import hashlib
 import logging
 
-import zstandard
+import numpy as np
 
-from coordinator import checkpoints, corpora
+from coordinator import checkpoints, corpora, datasets
 from coordinator.db import Database
 from coordinator.errors import Conflict, Unprocessable
 from coordinator.models import utcnow
@@ -21,7 +20,6 @@ from coordinator.settings import CoordinatorSettings
 from coordinator.storage import Storage
 from shared import protocol
 from shared.config import RunConfig
-from shared.data import cut_shards, load_corpus
 from shared.model import build_model, count_params
 
 log = logging.getLogger(__name__)
@@ -37,35 +35,33 @@ class RunService:
         self.db, self.storage, self.settings, self.live, self.recovery = db, storage, settings, live, recovery
 
     def create(self, cfg: RunConfig) -> protocol.RunCreated:
-        """Read the corpus, cut and store its shards, initialise the model (version 0: its snapshot,
-        checkpoint and evaluation), then serve the run."""
-        source = corpora.confine(cfg.corpus, self.settings.allowed_corpus_dirs)  # before reading a byte of it
+        """Read the corpus (or the prepared data), cut and store its shards, the eval split and the
+        tokenizer, initialise the model (version 0: its snapshot, checkpoint and evaluation), then
+        serve the run."""
+        allowed = self.settings.allowed_corpus_dirs
+        if cfg.data is not None:  # confined before reading a byte of it
+            folder = corpora.confine(cfg.data, allowed, what="data")
+        else:
+            source = corpora.confine(cfg.corpus, allowed)
         with self.db.read() as c:
             if run_rows.id_of(c, cfg.name) is not None:
                 raise Conflict(f"a run named {cfg.name!r} exists already; pick another name")
-        try:
-            corpus = load_corpus(source, max_bytes=cfg.corpus_max_bytes)
-            shards = cut_shards(corpus.train, cfg.shard_tokens, shuffle_seed=cfg.seed if cfg.shuffle_shards else None)
-        except ValueError as exc:
-            raise Unprocessable(str(exc)) from None
-        eval_used = min(corpus.eval.size, cfg.eval_tokens)  # what evaluation reads (RunRuntime.eval_tokens)
+        data = datasets.from_prepared(cfg, folder) if cfg.data is not None else datasets.from_corpus(cfg, source)
+        eval_used = min(data.eval.size, cfg.eval_tokens)  # what evaluation reads (RunRuntime.eval_tokens)
         if eval_used < cfg.model.context + 1:
-            raise Unprocessable(f"evaluation would read {eval_used} held-out bytes (the corpus holds out "
-                                f"{corpus.eval.size}, eval_tokens is {cfg.eval_tokens}): fewer than one context "
+            raise Unprocessable(f"evaluation would read {eval_used} held-out tokens (the data holds out "
+                                f"{data.eval.size}, eval_tokens is {cfg.eval_tokens}): fewer than one context "
                                 f"of {cfg.model.context} + 1")
+        cfg = cfg.model_copy(update={"tokens": data.tokens})  # the coordinator's to say, whatever was sent
         n_params = count_params(build_model(cfg.model, seed=cfg.seed))
-        train_tokens = int(sum(x.size for x in shards))
         with self.db.begin() as c:
             run_id = run_rows.insert_creating(
-                c, name=cfg.name, config_json=cfg.model_dump_json(), n_params=n_params, train_tokens=train_tokens,
-                eval_tokens=int(corpus.eval.size), join_key_hash=hash_secret(cfg.join_key) if cfg.join_key else None)
-        cctx = zstandard.ZstdCompressor(level=3)
-        shard_rows = []
-        for i, tokens in enumerate(shards):
-            self.storage.write(self.storage.shard(run_id, i), cctx.compress(tokens.tobytes()))
-            shard_rows.append({"run_id": run_id, "index": i, "n_tokens": int(tokens.size),
-                               "sha256": hashlib.sha256(tokens.tobytes()).hexdigest()})
-        self.storage.write(self.storage.eval_tokens(run_id), corpus.eval.tobytes())
+                c, name=cfg.name, config_json=cfg.model_dump_json(), n_params=n_params,
+                train_tokens=data.train_tokens, eval_tokens=int(data.eval.size),
+                join_key_hash=hash_secret(cfg.join_key) if cfg.join_key else None)
+        self.storage.write(self.storage.tokenizer(run_id), data.tokenizer.to_json().encode())
+        shard_rows = data.store(self.storage, run_id)
+        self.storage.write(self.storage.eval_tokens(run_id), memoryview(np.ascontiguousarray(data.eval)).cast("B"))
         rt = RunRuntime.fresh(run_id=run_id, config=cfg, storage=self.storage)
         self.recovery.calibrate(rt)
         sha, size = rt.write_snapshot()
@@ -78,9 +74,10 @@ class RunService:
             run_rows.set_state(c, run_id, "active")
         if self.live.leads:  # otherwise the leader loads it from its checkpoint (RecoveryService.sync_runs)
             self.live.put(rt)
-        log.info("run %s created: %d shards, %d params, eval loss %.3f", cfg.name, len(shards), n_params, loss)
-        return protocol.RunCreated(name=cfg.name, n_shards=len(shards), n_params=n_params,
-                                   train_tokens=train_tokens, eval_tokens=int(corpus.eval.size))
+        log.info("run %s created: %d shards (%s tokenizer), %d params, eval loss %.3f", cfg.name, data.n_shards,
+                 data.tokens.tokenizer, n_params, loss)
+        return protocol.RunCreated(name=cfg.name, n_shards=data.n_shards, n_params=n_params,
+                                   train_tokens=data.train_tokens, eval_tokens=int(data.eval.size))
 
     def list(self) -> list[protocol.RunSummary]:
         with self.db.read() as c:

@@ -6,6 +6,7 @@ One module per audience; each registers its own subcommands on the parser `build
     serve.py       the operator's coordinator process: coordinator serve|migrate
     operator.py    the operator against a running coordinator: run create|list|show|pause|resume,
                    worker list|revoke|readmit, status, export, sample
+    data.py        data prepare: a corpus into token shards and a manifest (shared/dataset.py)
     client.py      OperatorClient: the one HTTP client of operator.py (base URL, admin token, errors)
     developer.py   demo; bench (forwards to `python -m bench` in a source checkout)
     common.py      fail (exit 2 with a line on stderr), logging set-up, shared help texts
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import argparse
 
-from idletrain.cli import developer, operator, serve, volunteer
+from idletrain.cli import data, developer, operator, serve, volunteer
 from idletrain.cli.common import setup_logging
 
 
@@ -27,6 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     operator.register_runs(sub)
     operator.register_workers(volunteer.register(sub))
     operator.register_model_and_status(sub)
+    data.register(sub)
     developer.register(sub)
     return p
 

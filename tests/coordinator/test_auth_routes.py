@@ -52,6 +52,7 @@ PUBLIC = {
     ("GET", f"{API}/runs/{{run}}/config"),
     ("GET", f"{API}/runs/{{run}}/snapshots/{{version}}"),
     ("GET", f"{API}/runs/{{run}}/updates/{{from_version}}/{{to_version}}"),
+    ("GET", f"{API}/runs/{{run}}/tokenizer"),  # like the snapshots: export and sample read it
     ("POST", f"{API}/runs/{{run}}/workers"),  # registration: the run's join key guards it, if it has one
     ("GET", "/"),  # the dashboard page, meant to be shared
     ("GET", f"{API}/runs/{{run}}/dashboard"),  # its numbers: names and teams, never tokens or reasons

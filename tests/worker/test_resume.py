@@ -58,6 +58,8 @@ class AppTransport(httpx.BaseTransport):
             self.fail_times -= 1
             raise httpx.ConnectError("connection refused", request=request)
         resp = self.api.client._transport.handle_request(request)
+        if not isinstance(resp, httpx.Response):  # starlette's TestClient speaks httpx2 when it is installed
+            resp = httpx.Response(resp.status_code, headers=resp.headers.multi_items(), content=resp.read(), request=request)
         if self.kill_after and path.endswith(self.kill_after):
             resp.read()
             raise Killed(path)

@@ -50,7 +50,10 @@ class Transport(httpx.BaseTransport):
 
     def handle_request(self, request: httpx.Request) -> httpx.Response:
         self.log.append((request.method, request.url.path))
-        return self.api.client._transport.handle_request(request)
+        resp = self.api.client._transport.handle_request(request)
+        if not isinstance(resp, httpx.Response):  # starlette's TestClient speaks httpx2 when it is installed
+            resp = httpx.Response(resp.status_code, headers=resp.headers.multi_items(), content=resp.read(), request=request)
+        return resp
 
     def posts(self) -> list[str]:
         return [p for m, p in self.log if m == "POST"]

@@ -1,0 +1,205 @@
+"""The texts of a corpus on disk, streamed: a text file, a folder, a .jsonl or a .parquet file.
+
+`pieces(source)` yields `Piece`s: a document's text in order, at most about PIECE_BYTES each (a long
+file is cut at a line end, or at a character boundary when a line is longer), `last` on a document's
+final piece. Nothing holds more than one piece and one read buffer, so a corpus of any size streams.
+
+Bad input raises `SourceError` naming the file and what to do: a file that cannot be read, invalid
+UTF-8 (with its byte offset; `errors="replace"` reads on), a .jsonl line that is not a JSON object
+or lacks the text field (with its line number), an empty text (`skip_empty` skips it), a .parquet
+without the column. .parquet needs pyarrow (`pip install 'idletrain[data]'`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Literal
+
+from shared.extras import MissingExtra, require
+
+PIECE_BYTES = 1 << 18
+TEXT_SUFFIXES = frozenset((".txt", ".md", ".rst", ".py", ".text", ".tex", ".html", ".htm", ".xml", ".csv",
+                           ".tsv", ".c", ".h", ".cc", ".cpp", ".hpp", ".rs", ".go", ".java", ".js", ".ts",
+                           ".sh", ".toml", ".yaml", ".yml", ".ini", ".cfg", ".org", ".adoc"))
+JSONL_SUFFIXES = frozenset((".jsonl", ".ndjson"))
+PARQUET_SUFFIXES = frozenset((".parquet",))
+Errors = Literal["strict", "replace"]
+
+
+class SourceError(ValueError):
+    """Input that cannot be read as asked; the message names the file and what to do."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    text: str
+    last: bool  # the end of a document: a separator follows it
+    n_bytes: int  # UTF-8 bytes of `text`
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    text_field: str = "text"
+    errors: Errors = "strict"
+    skip_empty: bool = False
+
+
+def kind_of(path: Path) -> str:
+    """text | folder | jsonl | parquet, by what `path` is; SourceError when it is none of them."""
+    if path.is_dir():
+        return "folder"
+    if not path.exists():
+        raise SourceError(f"{str(path)!r} does not exist: give a text file, a folder, a .jsonl or a .parquet file")
+    suffix = path.suffix.lower()
+    if suffix in JSONL_SUFFIXES:
+        return "jsonl"
+    if suffix in PARQUET_SUFFIXES:
+        return "parquet"
+    return "text"
+
+
+def folder_files(root: Path) -> list[Path]:
+    """The files a folder contributes, in a fixed order (by the SHA-256 of the relative path, as
+    shared/data.py): text, .jsonl and .parquet files; a symlink out of the folder is skipped."""
+    real = root.resolve()
+    known = TEXT_SUFFIXES | JSONL_SUFFIXES | PARQUET_SUFFIXES
+    files = [p for p in root.rglob("*") if p.is_file() and p.suffix.lower() in known
+             and p.resolve().is_relative_to(real)]
+    return sorted(files, key=lambda p: hashlib.sha256(p.relative_to(root).as_posix().encode()).digest())
+
+
+def _decode(raw: bytes, path: Path, offset: int, errors: Errors) -> str:
+    try:
+        return raw.decode("utf-8", errors=errors)
+    except UnicodeDecodeError as exc:
+        raise SourceError(f"{path}: invalid UTF-8 at byte offset {offset + exc.start} ({exc.reason}): convert the "
+                          "file to UTF-8, or pass --errors replace to read such bytes as U+FFFD") from None
+
+
+def _cut(buf: bytes) -> int:
+    """Where to end a piece in `buf` (longer than PIECE_BYTES): after its last line end, else at a
+    UTF-8 character boundary (never inside a multi-byte character)."""
+    nl = buf.rfind(b"\n", 0, PIECE_BYTES)
+    if nl >= 0:
+        return nl + 1
+    cut = PIECE_BYTES
+    while cut > 0 and buf[cut] & 0xC0 == 0x80:  # a continuation byte: the character started before
+        cut -= 1
+    return cut or PIECE_BYTES
+
+
+def _open(path: Path, mode: str = "rb"):
+    try:
+        return open(path, mode)
+    except OSError as exc:
+        raise SourceError(f"{path} cannot be read ({exc.strerror or exc}): check that it exists and that this "
+                          "user may read it") from None
+
+
+def text_pieces(path: Path, opts: Options) -> Iterator[Piece]:
+    """A text file as one document, in pieces."""
+    offset, buf, any_text = 0, b"", False
+    with _open(path) as f:
+        while True:
+            try:
+                chunk = f.read(PIECE_BYTES)
+            except OSError as exc:
+                raise SourceError(f"{path} cannot be read at byte {offset + len(buf)} ({exc})") from None
+            buf += chunk
+            while len(buf) > PIECE_BYTES or (not chunk and buf):
+                cut = _cut(buf) if len(buf) > PIECE_BYTES else len(buf)
+                raw, buf = buf[:cut], buf[cut:]
+                last = not chunk and not buf
+                any_text = True
+                yield Piece(_decode(raw, path, offset, opts.errors), last, len(raw))
+                offset += len(raw)
+            if not chunk:
+                break
+    if not any_text and not opts.skip_empty:
+        raise SourceError(f"{path} is empty: remove it from the corpus, or pass --skip-empty")
+
+
+def _text_of(value, where: str, opts: Options) -> str | None:
+    """A record's text field: a non-empty string (None: skip it)."""
+    if not isinstance(value, str):
+        kind = "missing" if value is None else f"a {type(value).__name__}, not a string"
+        raise SourceError(f"{where}: the field {opts.text_field!r} is {kind}: name the text field with "
+                          "--text-field")
+    if not value:
+        if opts.skip_empty:
+            return None
+        raise SourceError(f"{where}: the field {opts.text_field!r} is empty: remove the record, or pass "
+                          "--skip-empty")
+    return value
+
+
+def jsonl_pieces(path: Path, opts: Options) -> Iterator[Piece]:
+    """One document per line: the line's JSON object's text field."""
+    offset = 0
+    with _open(path) as f:
+        for number, raw in enumerate(f, start=1):
+            start, offset = offset, offset + len(raw)
+            line = _decode(raw, path, start, opts.errors)
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError as exc:
+                raise SourceError(f"{path}, line {number}: not JSON ({exc}): each line of a .jsonl file must be "
+                                  "one JSON object") from None
+            if not isinstance(record, dict):
+                raise SourceError(f"{path}, line {number}: a JSON {type(record).__name__}, not an object with a "
+                                  f"{opts.text_field!r} field")
+            text = _text_of(record.get(opts.text_field), f"{path}, line {number}", opts)
+            if text is not None:
+                yield from _split(text)
+
+
+def _split(text: str) -> Iterator[Piece]:
+    """A document in memory as pieces of at most about PIECE_BYTES characters."""
+    for i in range(0, len(text), PIECE_BYTES):
+        part = text[i:i + PIECE_BYTES]
+        yield Piece(part, i + PIECE_BYTES >= len(text), len(part.encode("utf-8", errors="surrogatepass")))
+
+
+def parquet_pieces(path: Path, opts: Options) -> Iterator[Piece]:
+    """One document per row: the text column's value, read a batch of rows at a time."""
+    try:
+        pq = require("pyarrow.parquet", "data", purpose="reading .parquet")
+    except MissingExtra as exc:
+        raise SourceError(f"{path}: {exc}") from None
+    try:
+        pf = pq.ParquetFile(path)
+    except OSError as exc:
+        raise SourceError(f"{path} cannot be read as parquet ({exc}): check the file") from None
+    except Exception as exc:  # pyarrow.ArrowInvalid and friends: not a parquet file
+        raise SourceError(f"{path} is not a parquet file ({exc})") from None
+    names = pf.schema_arrow.names
+    if opts.text_field not in names:
+        raise SourceError(f"{path} has no column {opts.text_field!r} (it has {', '.join(names)}): name the text "
+                          "column with --text-field")
+    row = 0
+    for batch in pf.iter_batches(batch_size=1024, columns=[opts.text_field]):
+        for value in batch.column(0).to_pylist():
+            row += 1
+            text = _text_of(value, f"{path}, row {row}", opts)
+            if text is not None:
+                yield from _split(text)
+
+
+READERS = {"text": text_pieces, "jsonl": jsonl_pieces, "parquet": parquet_pieces}
+
+
+def pieces(source: Path, opts: Options = Options()) -> Iterator[Piece]:
+    """Every piece of every document of `source`, in order."""
+    kind = kind_of(source)
+    files = folder_files(source) if kind == "folder" else [source]
+    if kind == "folder" and not files:
+        raise SourceError(f"folder {source} holds no text, .jsonl or .parquet files (text: "
+                          f"{', '.join(sorted(TEXT_SUFFIXES)[:8])}, …)")
+    for path in files:
+        yield from READERS[kind_of(path)](path, opts)
