@@ -1,8 +1,13 @@
-"""Pure code both sides share (torch, numpy, pydantic, zstandard, safetensors, numba where installed,
-and the standard library only).
+"""Pure code both sides share (torch, numpy, pydantic, zstandard, safetensors, tokenizers, numba where
+installed, pyarrow for .parquet input, and the standard library only).
 
-    model.py      ModelConfig + the transformer; param schema, get/set params, eval loss
+    model.py      ModelConfig (arch gpt | llama, named PRESETS) + the GPT; build, param schema,
+                  get/set params, eval loss, generation
+    llama.py      the Llama-style decoder (RMSNorm, rotary positions, SwiGLU, grouped-query attention)
     data.py       corpus -> byte tokens -> shards (deterministic), held-out split, batches
+    tokenizer.py  the run's tokenizer: bytes (id = byte) or BPE, as a tokenizers JSON; train, load, hash
+    sources.py    a corpus on disk streamed as texts: text file, folder, .jsonl, .parquet; input errors
+    dataset.py    prepared datasets: prepare (stream -> token shard files + manifest), read, verify
     config.py     RunConfig and its parts (InnerConfig, CompressionConfig, OuterConfig)
     protocol.py   the JSON contract of /api/v1 and its version
     codec/        the delta wire format (versioned envelope, index and value codecs)
@@ -12,4 +17,5 @@ and the standard library only).
     kernels.py    compiled (numba) inner loops of a merge, each with its numpy/torch fallback
     files.py      durable file writes (temp file, fsync, rename)
     errors.py     the exception tree
+    extras.py     optional extras: require(module, extra) answers a missing one in one line
 """

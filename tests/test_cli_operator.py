@@ -147,3 +147,37 @@ def test_run_create_without_a_token_says_where_to_find_one(generated, capsys, mo
                      "--context", "32"]) == 0
     assert sent["headers"]["Authorization"] == f"Bearer {(data_dir / 'admin_token').read_text().strip()}"
     assert [r["name"] for r in api.client.get("/api/v1/runs").json()] == ["t", "u"]
+
+
+# -- the model: presets and what a worker needs ----------------------------------------------------
+
+def test_model_presets_from_toml_and_flags(tmp_path):
+    from idletrain.cli import operator
+    from shared.model import PRESETS, ModelConfig
+
+    path = tmp_path / "run.toml"
+    path.write_text('[model]\npreset = "small"\ncontext = 256\nrope_theta = 500000\n')
+    cfg = operator.build_run_config("p", str(path), {"model.n_layer": 4})
+    assert cfg.model == ModelConfig(**{**PRESETS["small"], "context": 256, "rope_theta": 500000.0, "n_layer": 4})
+    cfg = operator.build_run_config("p", None, {"model.preset": "gpt2-124m", "model.context": 128})
+    assert (cfg.model.arch, cfg.model.vocab_size, cfg.model.d_model, cfg.model.context) == ("gpt", 50257, 768, 128)
+    with pytest.raises(ValueError, match="unknown model preset 'medium'"):
+        operator.build_run_config("p", None, {"model.preset": "medium"})
+
+
+def test_run_create_with_a_preset_says_what_a_worker_needs(api, capsys, run_config, monkeypatch):
+    from worker import memory
+
+    monkeypatch.setattr(httpx, "post", lambda url, *, json, headers, timeout: api.client.post(
+        url[len(URL):], json=json, headers=headers))
+    corpus = run_config()["corpus"]
+    assert run("run", "create", "llama", "--model-preset", "llama-tiny", "--corpus", corpus, "--corpus-max-bytes",
+               str(1 << 18), "--shard-tokens", "8192", "--eval-tokens", "4096", "--admin-token", TOKEN) == 0
+    got = capsys.readouterr()
+    assert '"name": "llama"' in got.out
+    cfg = api.client.get("/api/v1/runs/llama/config").json()["model"]
+    assert cfg["arch"] == "llama" and cfg["n_layer"] == 3 and cfg["d_model"] == 128
+    from shared.model import ModelConfig
+
+    need = memory.min_max_params(ModelConfig.from_dict(cfg), batch_size=16)
+    assert "model: llama, 672,640 parameters" in got.err and f"{need:,} for whole batches of 16" in got.err

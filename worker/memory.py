@@ -30,6 +30,14 @@ BYTES_PER_PARAM = 28
 # for SDPA's softmax statistics and allocator slack. (The attention matrix itself is not kept: SDPA's
 # flash and memory-efficient kernels never materialise it.)
 ACTIVATION_VALUES_PER_TOKEN_DIM = 20
+# The Llama-style block (shared/llama.py), per token per layer, in units of d_model: the two RMSNorm
+# outputs and their fp32 copies (4), q and its rotated copy (2), the attention output (1), its
+# projection (1), the two residual sums (2), and 2 for SDPA's statistics and slack = 12; in units of
+# the key/value width (n_kv_head * head_dim): k, v and rotated k (3, and the repeated copies under
+# grouped-query attention, 2 n_head / n_kv_head - 2 more); in units of the SwiGLU width: gate, its
+# SiLU, up and their product (4).
+LLAMA_VALUES_PER_TOKEN_DIM = 12
+LLAMA_VALUES_PER_TOKEN_FFN = 4
 # The logits (B, T, vocab) live three times: the logits, their log-softmax, and its gradient.
 LOGIT_COPIES = 3
 # Share of the memory available at start that training may take: the OS, the page cache and the
@@ -81,10 +89,19 @@ def budget_bytes(max_params: int) -> int:
     return max(MIN_BUDGET_BYTES, math.ceil(max_params * BYTES_PER_PARAM / PARAM_SHARE))
 
 
+def layer_values_per_token(cfg: ModelConfig) -> int:
+    """fp32 values one layer keeps per token for the backward pass, for cfg's architecture."""
+    if cfg.arch == "llama":
+        kv = cfg.kv_heads * cfg.head_dim
+        repeated = 2 * (cfg.n_head // cfg.kv_heads - 1) * kv  # grouped-query attention's repeated k and v
+        return LLAMA_VALUES_PER_TOKEN_DIM * cfg.d_model + 3 * kv + repeated + LLAMA_VALUES_PER_TOKEN_FFN * cfg.ffn_dim
+    return ACTIVATION_VALUES_PER_TOKEN_DIM * cfg.d_model
+
+
 def activation_bytes(cfg: ModelConfig, *, batch_size: int) -> int:
     """Bytes of activations one local step keeps for its backward pass (fp32)."""
     tokens = batch_size * cfg.context  # (B, T)
-    per_token = cfg.n_layer * ACTIVATION_VALUES_PER_TOKEN_DIM * cfg.d_model + LOGIT_COPIES * cfg.vocab_size
+    per_token = cfg.n_layer * layer_values_per_token(cfg) + LOGIT_COPIES * cfg.vocab_size
     return 4 * tokens * per_token
 
 
@@ -118,6 +135,25 @@ def lease_too_big(cfg: ModelConfig, *, batch_size: int, max_params: int) -> str 
                 f"worker's limit of {max_params:,} parameters allows (raise --max-params if this machine "
                 f"holds it)")
     return None
+
+
+def min_max_params(cfg: ModelConfig, *, batch_size: int) -> int:
+    """The smallest --max-params under which a round of `cfg` at `batch_size` sequences per pass fits
+    (lease_too_big answers None): what to tell an operator workers need."""
+    n = cfg.n_params()
+    need = round_bytes(n, cfg, batch_size=batch_size)
+    m = n if budget_bytes(n) >= need else max(n, math.ceil(need * PARAM_SHARE / BYTES_PER_PARAM) - 1)
+    while budget_bytes(m) < need:
+        m += 1
+    return m
+
+
+def free_ram_for(max_params: int) -> int:
+    """The free memory at which a CPU worker's default cap (default_max_params) reaches `max_params`."""
+    ram = math.ceil(max_params * BYTES_PER_PARAM / PARAM_SHARE / USABLE_SHARE)
+    while default_max_params(Memory(total_ram=None, available_ram=ram)) < max_params:  # float rounding
+        ram += 16
+    return ram
 
 
 # -- this machine --------------------------------------------------------------------------------

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import threading
 
-import torch
-
 from coordinator.db import Database
 from coordinator.errors import NotFound
 from coordinator.leader import Leadership
@@ -14,7 +12,7 @@ from coordinator.queries import runs as run_rows
 from coordinator.runtime import RunRuntime
 from shared import kernels
 from shared.config import RunConfig
-from shared.model import ModelConfig, TransformerLM, param_schema
+from shared.model import ModelConfig, meta_schema
 
 
 class LiveRuns:
@@ -60,8 +58,8 @@ class LiveRuns:
             if run is None:
                 raise NotFound(f"no run {run_id}")
             cfg = RunConfig.model_validate_json(run.config_json)
-            with torch.device("meta"):  # shapes only: nothing allocated, nothing initialised
-                self._schemas[run_id] = param_schema(TransformerLM(cfg.model))
+            # shapes only (the meta device): nothing allocated, nothing initialised; either arch
+            self._schemas[run_id] = meta_schema(cfg.model)
         return self._schemas[run_id]
 
     def warm_up(self) -> None:
@@ -74,5 +72,4 @@ class LiveRuns:
         for run_id in run_ids:
             self.schema_of(run_id)
         if not run_ids:  # a run created later finds torch initialised
-            with torch.device("meta"):
-                param_schema(TransformerLM(ModelConfig()))
+            meta_schema(ModelConfig())

@@ -1,6 +1,7 @@
 """The operator's commands against a running coordinator, all through one OperatorClient:
 `idletrain run create|list|show|pause|resume`, `idletrain worker list|revoke|readmit`,
-`idletrain status`, and the model: `idletrain export` (.safetensors) and `idletrain sample`."""
+`idletrain status`, and the model: `idletrain export` (.safetensors, or a Hugging Face folder:
+idletrain/export.py) and `idletrain sample` (text, through the run's tokenizer)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from idletrain.cli.client import OperatorClient
 from idletrain.cli.common import ADMIN_TOKEN_HELP, DATA_DIR_HELP, DEFAULT_COORDINATOR, describe_validation, fail
 from shared.algorithms.registry import NAMES
 from shared.config import RunConfig
+from shared.model import PRESETS
 
 # -- runs -------------------------------------------------------------------------------------
 
@@ -28,11 +30,17 @@ def _set(d: dict, dotted: str, value) -> None:
 
 RUN_FLAGS = [  # (flag, dotted config key, type, help)
     ("--algorithm", "algorithm", str, " | ".join(NAMES) + f" (default: {RunConfig.model_fields['algorithm'].default})"),
+    ("--model-preset", "model.preset", str, "a named model size: " + ", ".join(PRESETS) + " (the flags below "
+     "override its fields)"),
+    ("--arch", "model.arch", str, "gpt (GPT-2's block, the default) | llama (RMSNorm, rotary, SwiGLU)"),
+    ("--vocab-size", "model.vocab_size", int, "the model's vocabulary: 256 for bytes, else the tokenizer's size"),
     ("--n-layer", "model.n_layer", int, "transformer layers"),
     ("--n-head", "model.n_head", int, "attention heads"),
     ("--d-model", "model.d_model", int, "model width"),
     ("--context", "model.context", int, "tokens per training sequence"),
     ("--corpus", "corpus", str, "builtin:stdlib, or a text file/folder on the coordinator's disk"),
+    ("--data", "data", str, "a folder made by `idletrain data prepare`, on the coordinator's disk (instead of "
+     "--corpus); --vocab-size must be its tokenizer's"),
     ("--corpus-max-bytes", "corpus_max_bytes", int, "read at most this much of the corpus"),
     ("--shard-tokens", "shard_tokens", int, "tokens per data shard"),
     ("--lease-ttl", "lease_ttl_s", float, "seconds before a lease expires"),
@@ -85,7 +93,26 @@ def cmd_run_create(args: argparse.Namespace) -> int:
     if rc:
         return rc
     print(json.dumps(created, indent=2))
+    print(worker_needs(cfg), file=sys.stderr)
     return 0
+
+
+def worker_needs(cfg: RunConfig) -> str:
+    """What a worker needs to take the run's leases (a worker skips, saying why, a model its
+    --max-params cannot hold: worker/memory.py)."""
+    from worker.memory import free_ram_for, min_max_params
+
+    m, batch = cfg.model, cfg.inner.batch_size
+    rows = getattr(cfg.inner, "micro_batch_size", None) or 1
+    low, whole = min_max_params(m, batch_size=rows), min_max_params(m, batch_size=batch)
+
+    def gb(n: int) -> str:
+        return f"about {n / 1e9:.1f} GB" if n >= 1e8 else "under 0.1 GB"
+
+    passes = "one sequence at a time" if rows == 1 else f"micro-batches of {rows}"
+    return (f"model: {m.arch}, {m.n_params():,} parameters. A worker trains it with --max-params >= {low:,} "
+            f"({passes}), {whole:,} for whole batches of {batch}; a worker's default cap comes from its free "
+            f"memory: {gb(free_ram_for(low))} and {gb(free_ram_for(whole))} free on a CPU")
 
 
 def format_status(st: dict) -> str:
@@ -223,20 +250,31 @@ def _fetch_model(args: argparse.Namespace, version: str):
 def cmd_export(args: argparse.Namespace) -> int:
     import safetensors.torch
 
+    from idletrain import export
     from shared.snapshot import snapshot_metadata
 
     out = Path(args.out)
-    if out.suffix != ".safetensors":
-        return fail(f"write the model to a .safetensors file, not {out.name!r}")
+    if args.format == "safetensors" and out.suffix != ".safetensors":
+        return fail(f"write the model to a .safetensors file, not {out.name!r} (or a folder with --format hf)")
     rc, got = _fetch_model(args, args.version)
     if rc:
         return rc
     params, meta, model_cfg = got
-    metadata = {**snapshot_metadata(args.run, int(meta["version"]), model_cfg.to_dict()),
-                "format": "idletrain TransformerLM (byte-level); shared.model.build_model(ModelConfig(**model))"}
+    metadata = snapshot_metadata(args.run, int(meta["version"]), model_cfg.to_dict())
+    n = sum(t.numel() for t in params.values())
+    if args.format == "hf":
+        try:
+            tok = export.fetch_tokenizer(args.coordinator, args.run)
+            export.write_hf_folder(out, model_cfg, params, tok, metadata)
+        except (ValueError, OSError) as exc:
+            return fail(f"cannot export to {out}: {exc}")
+        print(f"wrote {out}/: run {args.run} version {meta['version']}, {n:,} parameters, a Hugging Face "
+              f"{export.hf_config(model_cfg, tok)['architectures'][0]} with its {tok.kind} tokenizer "
+              f"({tok.vocab_size:,} tokens); load it with transformers.AutoModelForCausalLM.from_pretrained")
+        return 0
+    metadata["format"] = "idletrain model; shared.model.build_model(ModelConfig.from_dict(model))"
     out.parent.mkdir(parents=True, exist_ok=True)
     safetensors.torch.save_file({n: t.contiguous() for n, t in params.items()}, str(out), metadata=metadata)
-    n = sum(t.numel() for t in params.values())
     print(f"wrote {out}: run {args.run} version {meta['version']}, {n:,} parameters")
     return 0
 
@@ -244,7 +282,8 @@ def cmd_export(args: argparse.Namespace) -> int:
 def cmd_sample(args: argparse.Namespace) -> int:
     import torch
 
-    from shared.model import build_model, generate, set_params
+    from idletrain.export import fetch_tokenizer
+    from shared.model import build_model, generate_ids, set_params
 
     if args.tokens < 1 or args.tokens > 100_000:
         return fail("--tokens must be between 1 and 100000")
@@ -254,13 +293,19 @@ def cmd_sample(args: argparse.Namespace) -> int:
     if rc:
         return rc
     params, meta, model_cfg = got
+    try:
+        tok = fetch_tokenizer(args.coordinator, args.run)
+    except ValueError as exc:
+        return fail(str(exc))
     model = build_model(model_cfg)
     set_params(model, params)
-    gen = torch.Generator().manual_seed(args.seed)
-    text = generate(model, args.prompt.encode(), max_new_tokens=args.tokens, temperature=args.temperature,
-                    top_k=args.top_k or None, generator=gen)
-    print(f"# run {args.run}, version {meta['version']}", file=sys.stderr)
-    sys.stdout.write(args.prompt + text.decode("utf-8", errors="replace") + "\n")
+    # an empty prompt starts from the document separator (a BPE's), or a newline (bytes)
+    prompt = tok.encode(args.prompt) or ([tok.eot_id] if tok.eot_id is not None else tok.encode("\n"))
+    ids = generate_ids(model, prompt, max_new_tokens=args.tokens, temperature=args.temperature,
+                       top_k=args.top_k or None, generator=torch.Generator().manual_seed(args.seed),
+                       allowed=min(tok.vocab_size, model_cfg.vocab_size))  # only ids the tokenizer decodes
+    print(f"# run {args.run}, version {meta['version']}, {tok.kind} tokenizer", file=sys.stderr)
+    sys.stdout.write(args.prompt + tok.decode(ids) + "\n")
     return 0
 
 
@@ -318,13 +363,16 @@ def register_workers(wk) -> None:
 
 def register_model_and_status(sub) -> None:
     """`idletrain export`, `idletrain sample`, `idletrain status`."""
-    exp = sub.add_parser("export", help="save a run's model as a .safetensors file")
-    exp.add_argument("out", metavar="OUT.safetensors")
+    exp = sub.add_parser("export", help="save a run's model: a .safetensors file, or a Hugging Face folder")
+    exp.add_argument("out", metavar="OUT", help="OUT.safetensors, or a folder with --format hf")
+    exp.add_argument("--format", choices=("safetensors", "hf"), default="safetensors",
+                     help="safetensors: our tensors and config (default); hf: a folder transformers loads "
+                          "(config.json, model.safetensors, the run's tokenizer)")
     smp = sub.add_parser("sample", help="generate text from a run's current model")
     smp.add_argument("--prompt", default="def ", help="text to continue (default 'def ')")
-    smp.add_argument("--tokens", type=int, default=300, help="bytes to generate (default 300)")
+    smp.add_argument("--tokens", type=int, default=300, help="tokens to generate (default 300)")
     smp.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default 0.8)")
-    smp.add_argument("--top-k", type=int, default=40, help="sample among the k likeliest bytes; 0 = all")
+    smp.add_argument("--top-k", type=int, default=40, help="sample among the k likeliest tokens; 0 = all")
     smp.add_argument("--seed", type=int, default=0)
     for sp, func in ((exp, cmd_export), (smp, cmd_sample)):
         sp.add_argument("--run", required=True)

@@ -62,6 +62,6 @@ def test_warm_up_builds_each_runs_schema_before_the_first_upload(settings, run_c
     def no_build(*a, **k):
         raise AssertionError("the schema should have been built at warm-up")
 
-    monkeypatch.setattr(live, "TransformerLM", no_build)
+    monkeypatch.setattr(live, "meta_schema", no_build)
     assert other.live.schema_of(run_id) == want
     other.close()

@@ -21,7 +21,7 @@ TINY = ModelConfig(n_layer=1, d_model=32, n_head=2, context=16)
     ({"n_head": "4"}, "n_head must be a positive integer"),
     ({"vocab_size": 0}, "vocab_size must be a positive integer"),
     ({"d_model": 30, "n_head": 4}, "divisible by n_head"),
-    ({"vocab_size": 65537}, "uint16"),
+    ({"vocab_size": (1 << 22) + 1}, "above the limit"),  # above 65,536 shards are uint32
     ({"dropout": 1.0}, "dropout must be in"),
     ({"dropout": -0.1}, "dropout must be in"),
 ])

@@ -72,3 +72,67 @@ def test_probe_reads_this_machine():
     mem = memory.probe(torch.device("cpu"))
     assert mem.device is None
     assert memory.default_max_params(mem) >= 1
+
+
+# -- either architecture ------------------------------------------------------------------------
+
+def _saved_for_backward(cfg: ModelConfig, batch_size: int) -> int:
+    """Bytes of the tensors autograd keeps for backward in one forward pass (weights excluded):
+    the activations, measured, as the reference the estimate must cover."""
+    from shared.model import build_model
+
+    model = build_model(cfg)
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    storages: dict[int, int] = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in weights:
+            storages[ptr] = max(storages.get(ptr, 0), t.untyped_storage().nbytes())
+        return t
+
+    idx = torch.randint(0, cfg.vocab_size, (batch_size, cfg.context))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(idx, idx)
+    return sum(storages.values())
+
+
+@pytest.mark.parametrize("cfg", [
+    ModelConfig(),  # the demo's GPT
+    ModelConfig(arch="llama"),
+    ModelConfig(arch="llama", n_head=8, n_kv_head=2, d_model=256, vocab_size=512, context=64),
+    ModelConfig(arch="llama", n_head=4, n_kv_head=1, d_model=128, ffn_hidden=512, context=64, tie_embeddings=False),
+])
+def test_the_activation_estimate_covers_what_autograd_keeps_without_doubling_it(cfg):
+    measured = _saved_for_backward(cfg, batch_size=4)
+    estimate = memory.activation_bytes(cfg, batch_size=4)
+    assert measured <= estimate <= 2 * measured
+
+
+def test_grouped_query_attention_and_a_narrower_mlp_need_less():
+    mha = ModelConfig(arch="llama", n_head=8, d_model=256)
+    assert memory.activation_bytes(ModelConfig(arch="llama", n_head=8, n_kv_head=2, d_model=256), batch_size=8) < \
+        memory.activation_bytes(mha, batch_size=8)
+    assert memory.activation_bytes(ModelConfig(arch="llama", n_head=8, d_model=256, ffn_hidden=256), batch_size=8) < \
+        memory.activation_bytes(mha, batch_size=8)
+
+
+def test_a_llama_model_over_the_cap_is_named_with_its_exact_size():
+    cfg = ModelConfig.preset("llama-60m")
+    why = memory.lease_too_big(cfg, batch_size=1, max_params=50_000_000)
+    assert why is not None and f"its model has {cfg.n_params():,} parameters" in why and "58,073,600" in why
+    assert memory.lease_too_big(ModelConfig.preset("llama-tiny"), batch_size=16, max_params=1_000_000) is None
+
+
+@pytest.mark.parametrize("cfg,batch", [
+    (ModelConfig.preset("small"), 16),
+    (ModelConfig.preset("small"), 1),
+    (ModelConfig(), 16),  # fits the smallest budget: the parameter count is the bound
+    (ModelConfig(context=65536), 64),
+])
+def test_min_max_params_is_the_smallest_cap_a_lease_fits(cfg, batch):
+    m = memory.min_max_params(cfg, batch_size=batch)
+    assert memory.lease_too_big(cfg, batch_size=batch, max_params=m) is None
+    assert memory.lease_too_big(cfg, batch_size=batch, max_params=m - 1) is not None
+    # a worker whose free memory is free_ram_for(m) gets that cap by default
+    assert memory.default_max_params(Memory(total_ram=None, available_ram=memory.free_ram_for(m))) >= m
