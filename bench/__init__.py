@@ -17,5 +17,6 @@ here when this folder is importable.
     load_report.py         load's goal per N, results.json, results.md and p99.png
     utilisation.py         `utilisation`: the share of wall time a real worker computes, overlap off/on
     utilisation_report.py  utilisation's results.md and utilisation.png
+    models.py              `models`: bytes vs BPE, GPT vs Llama-style, the same training bytes, bits per byte
     numbers.py             rounding of reported numbers (significant digits, percentiles)
 """

@@ -135,6 +135,22 @@ def cmd_bench_utilisation(args: argparse.Namespace) -> int:
     return 0 if result["modes"] else 1
 
 
+def cmd_bench_models(args: argparse.Namespace) -> int:
+    if not _can_plot():
+        return fail("the benchmark plots with matplotlib: pip install -e '.[bench]' (in a source checkout)")
+    from bench.models import PROFILES, run
+
+    if args.profile not in PROFILES:
+        return fail(f"unknown profile {args.profile!r}: pick one of {', '.join(PROFILES)}")
+    if args.threads is not None and args.threads < 1:
+        return fail("--threads must be at least 1")
+    out = Path(args.out or f"bench-results/models-{args.profile}")
+    run(profile=args.profile, out=out, threads=args.threads, rows=args.only)
+    print((out / "results.md").read_text())
+    print(f"wrote {out / 'results.json'}, {out / 'results.md'}, {out / 'bpb.png'}")
+    return 0
+
+
 def _convergence_parser(sub) -> None:
     conv = sub.add_parser("convergence", help="ddp vs diloco vs sparta vs compressed, same tokens, side by side")
     conv.add_argument("--profile", default="quick", help="quick (< 10 min on 2 cores) or full (< 60 min)")
@@ -228,11 +244,23 @@ def _utilisation_parser(sub) -> None:
     util.set_defaults(func=cmd_bench_utilisation)
 
 
+def _models_parser(sub) -> None:
+    models = sub.add_parser("models", help="bytes vs BPE, GPT vs Llama-style: the same training bytes, held-out "
+                                             "loss in bits per byte")
+    models.add_argument("--profile", default="quick", help="quick (~10 min on 2 idle cores, 23 with one busy) or full (5x the steps, 8192-token BPE: over an hour)")
+    models.add_argument("--out", default=None, help="output folder (default bench-results/models-PROFILE)")
+    models.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    models.add_argument("--only", nargs="*", default=None,
+                        help="run only rows whose name contains one of these (e.g. 'bpe + Llama')")
+    models.set_defaults(func=cmd_bench_models)
+
+
 def build_parser(prog: str = "python -m bench") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description="Benchmarks: one command each, results + a plot.")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     sub = p.add_subparsers(dest="action", required=True)
-    for add in (_convergence_parser, _averaging_parser, _merge_parser, _load_parser, _utilisation_parser):
+    for add in (_convergence_parser, _averaging_parser, _merge_parser, _load_parser, _utilisation_parser,
+                _models_parser):
         add(sub)
     return p
 
