@@ -314,7 +314,7 @@ def _prepare(source: Path, kind: str, out: Path, *, tokenizer: str, vocab_size: 
                 raise ValueError(f"the tokenizer produced id {int(ids.max())} outside its vocab of {tok.vocab_size}")
             sink.add(ids)
         n_docs += sum(p.last for p in batch)
-        log(f"  {sink.pos:,} tokens, {len(sink.shards)} shards")
+        log(f"  {sink.pos:,} tokens, {len(sink.shards)} shards filled so far")
     shards, held_out = sink.close()
     if not shards:
         raise ValueError(f"{source} gave {sink.pos} tokens, all held out for evaluation: give a larger corpus, or "
