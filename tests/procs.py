@@ -12,6 +12,8 @@ own and remembers it, so that:
     admin_headers     the operator's Authorization header for a `serve` on a data dir
     wait_healthy      until a started coordinator answers /healthz (the test fails with its log if not)
     wait_merged       until a run has merged all it acknowledged and reached a version
+    Idletrain         the `python -m idletrain` processes of one test (a coordinator first, then
+                      workers), each logging to logs/NAME.log; close() stops them all
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -105,3 +108,32 @@ def wait_merged(client: httpx.Client, run: str, version: int, *, log: Path | Non
             return st
         assert time.monotonic() < deadline, f"merger did not catch up: {st}" + (f"\n{tail(log)}" if log else "")
         time.sleep(0.2)
+
+
+class Idletrain:
+    """`python -m idletrain ARGS` processes of one test, run in `root`, each logging to
+    root/logs/NAME.log. close() kills the workers (everything after the first) and stops the first,
+    the coordinator, with SIGINT, as its operator would."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.logs = root / "logs"
+        self.logs.mkdir(exist_ok=True)
+        self.started: list[subprocess.Popen] = []
+        self._files: list = []
+
+    def spawn(self, name: str, *args: str) -> subprocess.Popen:
+        out = open(self.logs / f"{name}.log", "w")
+        self._files.append(out)
+        proc = popen([sys.executable, "-m", "idletrain", *args], env=env(), cwd=self.root,
+                     stdout=out, stderr=subprocess.STDOUT)
+        self.started.append(proc)
+        return proc
+
+    def close(self) -> None:
+        for proc in self.started[1:]:
+            stop(proc, signal.SIGKILL)
+        if self.started:
+            stop(self.started[0], signal.SIGINT)
+        for f in self._files:
+            f.close()

@@ -3,9 +3,7 @@
 
 from __future__ import annotations
 
-import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import httpx
@@ -23,18 +21,8 @@ STEPS, BATCH, CONTEXT = 20, 8, 32
 def test_two_workers_train_a_model_over_loopback(tmp_path: Path, corpus_dir: Path):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    logs = tmp_path / "logs"
-    logs.mkdir()
-    started: list[subprocess.Popen] = []
-    files = []
-
-    def spawn(name: str, *args: str) -> subprocess.Popen:
-        out = open(logs / f"{name}.log", "w")
-        files.append(out)
-        proc = procs.popen([sys.executable, "-m", "idletrain", *args], env=procs.env(), cwd=tmp_path,
-                                stdout=out, stderr=subprocess.STDOUT)
-        started.append(proc)
-        return proc
+    running = procs.Idletrain(tmp_path)
+    logs, spawn = running.logs, running.spawn
 
     try:
         coord = spawn("coordinator", "--log-level", "WARNING", "coordinator", "serve", "--host", "127.0.0.1",
@@ -85,9 +73,4 @@ def test_two_workers_train_a_model_over_loopback(tmp_path: Path, corpus_dir: Pat
             assert loss_end < loss0 - 1.0, (loss0, [e["loss"] for e in st["eval_history"]], loss_end)
             assert coord.poll() is None, procs.tail(logs / "coordinator.log")
     finally:
-        for proc in started[1:]:
-            procs.stop(proc, signal.SIGKILL)
-        if started:
-            procs.stop(started[0], signal.SIGINT)
-        for f in files:
-            f.close()
+        running.close()

@@ -3,9 +3,7 @@ for the module, and per algorithm a run trained by two `idletrain worker run` pr
 
 from __future__ import annotations
 
-import signal
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,30 +18,10 @@ WORKERS = 2
 STEPS, BATCH, CONTEXT, EVERY = 10, 8, 32, 2
 
 
-class Loopback:
+class Loopback(procs.Idletrain):
     def __init__(self, root: Path) -> None:
-        self.root = root
-        self.logs = root / "logs"
-        self.logs.mkdir()
+        super().__init__(root)
         self.url = f"http://127.0.0.1:{free_port()}"
-        self.procs: list[subprocess.Popen] = []
-        self._files = []
-
-    def spawn(self, name: str, *args: str) -> subprocess.Popen:
-        out = open(self.logs / f"{name}.log", "w")
-        self._files.append(out)
-        proc = procs.popen([sys.executable, "-m", "idletrain", *args], env=procs.env(), cwd=self.root,
-                                stdout=out, stderr=subprocess.STDOUT)
-        self.procs.append(proc)
-        return proc
-
-    def close(self) -> None:
-        for proc in self.procs[1:]:
-            procs.stop(proc, signal.SIGKILL)
-        if self.procs:
-            procs.stop(self.procs[0], signal.SIGINT)
-        for f in self._files:
-            f.close()
 
 
 @pytest.fixture(scope="module")
@@ -117,4 +95,4 @@ def test_two_workers_train_each_algorithm_over_loopback(loopback, corpus_dir: Pa
     print(algorithm, "eval losses", [(e["version"], round(e["loss"], 3)) for e in st["eval_history"]],
           "final", round(final.json()["loss"], 3), "exchanges", st["exchanges"])
     assert final.json()["loss"] < loss0, (loss0, [e["loss"] for e in st["eval_history"]], final.json())
-    assert lb.procs[0].poll() is None, procs.tail(coord_log)
+    assert lb.started[0].poll() is None, procs.tail(coord_log)

@@ -13,7 +13,6 @@ import hashlib
 import json
 import random
 import re
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -86,18 +85,8 @@ def test_bpe_llama_run_over_loopback_exports_to_transformers(tmp_path: Path, mon
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     data_dir = tmp_path / "data"
-    logs = tmp_path / "logs"
-    logs.mkdir()
-    started: list[subprocess.Popen] = []
-    files = []
-
-    def spawn(name: str, *args: str) -> subprocess.Popen:
-        out = open(logs / f"{name}.log", "w")
-        files.append(out)
-        proc = procs.popen([sys.executable, "-m", "idletrain", *args], env=procs.env(), cwd=tmp_path,
-                           stdout=out, stderr=subprocess.STDOUT)
-        started.append(proc)
-        return proc
+    running = procs.Idletrain(tmp_path)
+    logs, spawn = running.logs, running.spawn
 
     try:
         coord = spawn("coordinator", "--log-level", "WARNING", "coordinator", "serve", "--host", "127.0.0.1",
@@ -152,12 +141,7 @@ def test_bpe_llama_run_over_loopback_exports_to_transformers(tmp_path: Path, mon
                            "--tokens", "24", "--temperature", "0")
             assert coord.poll() is None, procs.tail(logs / "coordinator.log")
     finally:
-        for proc in started[1:]:
-            procs.stop(proc, signal.SIGKILL)
-        if started:
-            procs.stop(started[0], signal.SIGINT)
-        for f in files:
-            f.close()
+        running.close()
 
     # `sample`: text through the run's BPE, in the corpus's words (an untrained model strings random pieces)
     assert sampled.startswith(PROMPT), sampled
