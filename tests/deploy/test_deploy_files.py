@@ -41,6 +41,7 @@ from coordinator.settings import CoordinatorSettings
 from idletrain.cli import build_parser
 from idletrain.cli.operator import RUN_FLAGS, build_run_config
 from idletrain.harness import free_port, wait_healthy
+from shared.config import RunConfig
 from tests import procs
 from tests.conftest import fresh_database, postgres_reason
 from worker.settings import WorkerSettings, default_state_dir
@@ -691,3 +692,15 @@ def _compose_against_a_real_coordinator(services, dockerfile, corpus_dir, tmp_pa
                 assert cfg["outer"]["group"] == len(workers(services))
         finally:
             procs.stop(proc, signal.SIGINT)
+
+
+# -- deploy/run.example.toml ---------------------------------------------------------------------
+
+def test_run_example_is_a_valid_run_that_keeps_the_recommended_algorithm():
+    """The example sizes a run (model, shards, group) but does not undo the defaults that were chosen
+    by measurement: compression and the outer rule stay what RunConfig recommends."""
+    cfg = build_run_config("example", str(DEPLOY / "run.example.toml"), {})
+    defaults = RunConfig(name="example")
+    assert cfg.compression == defaults.compression, cfg.compression
+    assert cfg.outer.model_copy(update={"group": defaults.outer.group}) == defaults.outer, cfg.outer
+    assert cfg.algorithm == defaults.algorithm
