@@ -4,6 +4,7 @@
                    (413 before the app reads it: Content-Length, or counted as it streams)
     InFlight       uploads in flight per worker (max_concurrent_uploads): 429 past it
     Slots          a blocking semaphore with a deadline: decoding a body (max_validations), 503 past it
+    undeliverable  why a run's deltas or exchanges could not fit max_upload_bytes (run create refuses it)
 
 Before these, an unauthenticated registration could make the server parse 150 MiB of JSON, and
 30 stalled uploads of one token held 1.8 GB (coordinator/api/uploads.py now streams them to disk).
@@ -20,6 +21,38 @@ from collections.abc import Hashable, Iterator
 from starlette.exceptions import HTTPException
 
 from coordinator.errors import TooManyRequests, Unavailable
+from shared.algorithms.compress import round_bound
+from shared.algorithms.registry import ALGORITHMS, End
+from shared.algorithms.sparta import exchange_bound
+from shared.config import RunConfig
+from shared.model import meta_schema
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} bytes"
+
+
+def undeliverable(cfg: RunConfig, *, max_upload_bytes: int) -> str | None:
+    """Why no worker could deliver this run's rounds, or None: the worst-case encoded delta (or sparse
+    exchange) of its model and compression against the upload cap. Without this a run too large for
+    the cap trains a whole round on every worker before its first upload gets 413."""
+    schema = meta_schema(cfg.model)
+    algorithm = ALGORITHMS[cfg.algorithm]
+    sizes = []
+    if algorithm.ends_with is End.PSEUDO_GRADIENT:
+        sizes.append(("a round's delta", round_bound(schema, cfg.compression)))
+    if algorithm.exchanges:
+        sizes.append(("an exchange", exchange_bound(schema, p=cfg.sparta.p, values=cfg.sparta.values)))
+    for what, size in sizes:
+        if size > max_upload_bytes:
+            return (f"{what} of this run can take up to {_size(size)} on the wire, above the "
+                    f"coordinator's upload cap of {_size(max_upload_bytes)}: send fewer bytes "
+                    "(compression values 'int4', or index 'topk'/'random' with a smaller fraction; for "
+                    "sparta a smaller p), train a smaller model, or raise IDLETRAIN_MAX_UPLOAD_BYTES")
+    return None
 
 
 class BodyTooLarge(HTTPException):

@@ -6,7 +6,7 @@ import logging
 
 import numpy as np
 
-from coordinator import checkpoints, corpora, datasets
+from coordinator import checkpoints, corpora, datasets, limits
 from coordinator.db import Database
 from coordinator.errors import Conflict, Unprocessable
 from coordinator.models import utcnow
@@ -46,6 +46,8 @@ class RunService:
         with self.db.read() as c:
             if run_rows.id_of(c, cfg.name) is not None:
                 raise Conflict(f"a run named {cfg.name!r} exists already; pick another name")
+        if (why := limits.undeliverable(cfg, max_upload_bytes=self.settings.max_upload_bytes)) is not None:
+            raise Unprocessable(f"run {cfg.name!r} is refused: {why}")
         data = datasets.from_prepared(cfg, folder) if cfg.data is not None else datasets.from_corpus(cfg, source)
         eval_used = min(data.eval.size, cfg.eval_tokens)  # what evaluation reads (RunRuntime.eval_tokens)
         if eval_used < cfg.model.context + 1:

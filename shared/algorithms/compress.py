@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from shared.codec import Delta, Entry, IndexKind, ValueKind, seeded_indices
+from shared.codec import encoded_bound
 from shared.codec.values import VALUE_CODECS
 from shared.config import CompressionConfig
 
@@ -115,3 +116,12 @@ def compress_with_feedback(pseudo_grad: Mapping[str, torch.Tensor], residual: Ma
 
 def delta_to_tensors(delta: Delta, schema: Mapping[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
     return {n: torch.from_numpy(a) for n, a in delta.to_dense(schema).items()}
+
+
+def round_bound(schema: Mapping[str, tuple[int, ...]], cfg: CompressionConfig) -> int:
+    """The most bytes a round's delta under `cfg` can take on the wire, for a model of this schema."""
+    index_kind = INDEX_KINDS[cfg.index]
+    entries = [(name, index_kind, VALUE_KINDS[cfg.values], math.prod(shape),
+                math.prod(shape) if index_kind is IndexKind.DENSE else k_for(math.prod(shape), cfg.fraction))
+               for name, shape in schema.items()]
+    return encoded_bound(entries)

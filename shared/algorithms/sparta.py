@@ -13,6 +13,7 @@ in flight are kept: training never blocks on the network.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 
 import numpy as np
@@ -25,6 +26,12 @@ from shared.algorithms.compress import VALUE_KINDS, k_for, tensor_seed
 def exchange_seed(lease_seed: int, step: int) -> int:
     """The seed of the exchange after local step `step` of a lease (63-bit)."""
     return tensor_seed(lease_seed, f"sparta/{step}") >> 1
+
+
+def exchange_bound(schema: Mapping[str, tuple[int, ...]], *, p: float, values: str) -> int:
+    """The most bytes one exchange's body (select's, or the coordinator's answer) can take on the wire."""
+    return codec.encoded_bound([(name, codec.IndexKind.SEEDED, VALUE_KINDS[values], math.prod(shape),
+                                 k_for(math.prod(shape), p)) for name, shape in schema.items()])
 
 
 def select(params: Mapping[str, torch.Tensor], *, p: float, seed: int, values: str,

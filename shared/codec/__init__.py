@@ -10,13 +10,15 @@
 A golden file (tests/golden/delta_v1.bin) pins the bytes of format version 1.
 """
 
-from shared.codec.envelope import FORMAT_VERSION, MAGIC, MAX_UPLOAD_RATIO, Delta, Entry, decode, encode, max_body_bytes
+from shared.codec.envelope import (FORMAT_VERSION, MAGIC, MAX_UPLOAD_RATIO, Delta, Entry, decode, encode,
+                                   encoded_bound, max_body_bytes)
 from shared.codec.flat import DeltaSummary, FlatDelta, check_flat, decode_flat, flat_offsets
 from shared.codec.indices import IndexKind, seeded_indices, seeded_indices_many, splitmix64
 from shared.codec.values import BLOCK, ValueKind
 
 __all__ = [
-    "BLOCK", "FORMAT_VERSION", "MAGIC", "MAX_UPLOAD_RATIO", "Delta", "DeltaSummary", "Entry", "FlatDelta", "IndexKind",
+    "BLOCK", "FORMAT_VERSION", "MAGIC", "MAX_UPLOAD_RATIO", "Delta", "DeltaSummary", "Entry",
+    "encoded_bound", "FlatDelta", "IndexKind",
     "ValueKind", "check_flat", "decode", "decode_flat", "encode", "flat_offsets", "max_body_bytes", "seeded_indices",
     "seeded_indices_many", "splitmix64",
 ]

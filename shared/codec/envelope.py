@@ -25,7 +25,7 @@ import dataclasses
 import io
 import math
 import struct
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import zstandard
@@ -94,6 +94,16 @@ def encode(delta: Delta, *, level: int = 3) -> bytes:
     raw = body.getvalue()
     frame = zstandard.ZstdCompressor(level=level, write_checksum=True).compress(raw)
     return HEADER.pack(MAGIC, FORMAT_VERSION, len(raw)) + frame
+
+
+def encoded_bound(entries: Sequence[tuple[str, IndexKind, ValueKind, int, int]]) -> int:
+    """The most bytes `encode` can return for a delta of these entries (name, index kind, value kind,
+    numel, k): the exact body (the value codecs' sizes, the index codecs' upper bounds) plus what
+    zstd adds to a frame it cannot shrink (its compress bound) and the envelope's header."""
+    raw = 12 + sum(2 + len(name.encode()) + 18 + INDEX_CODECS[ik].estimate_bytes(numel=numel, k=k)
+                   + VALUE_CODECS[vk].nbytes(k) for name, ik, vk, numel, k in entries)
+    zstd_bound = raw + (raw >> 8) + ((128 << 10) - raw >> 11 if raw < 128 << 10 else 0) + 32
+    return HEADER.size + zstd_bound
 
 
 def max_body_bytes(schema: Mapping[str, tuple[int, ...]]) -> int:

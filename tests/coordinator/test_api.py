@@ -472,19 +472,20 @@ def test_rejected_uploads_are_counted_against_the_worker(api, run):
 
 
 def test_upload_over_the_size_cap_is_413(tmp_path, open_api, run_config, make_delta):
-    settings = CoordinatorSettings(data_dir=tmp_path / "small", max_upload_bytes=1024)
+    settings = CoordinatorSettings(data_dir=tmp_path / "small", max_upload_bytes=2048)
     with open_api(settings) as api:
-        # the run's deltas are small (1% random, int4): the lease's own compression fits under the cap
+        # the run's deltas are small (1% random, int4; at most 1,045 bytes): they fit under the cap, so
+        # run create takes the run
         api.create_run(run_config(compression={"index": "random", "fraction": 0.01, "values": "int4"}))
         headers = api.register()
         lease = api.lease(headers)
-        # dense fp32 for the whole model: far over 1 KiB
+        # dense fp32 for the whole model: far over 2 KiB
         from shared.config import CompressionConfig
         big = make_delta(lease, compression=CompressionConfig(index="dense", fraction=1.0, values="fp32"))
-        assert len(big) > 1024
+        assert len(big) > 2048
         resp = api.upload(lease.lease_id, big, headers)
         assert resp.status_code == 413
-        assert "1024" in resp.json()["detail"]
+        assert "2048" in resp.json()["detail"]
 
         # no Content-Length (chunked): the cap is enforced while streaming
         def chunks():

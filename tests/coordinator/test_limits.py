@@ -146,13 +146,14 @@ def test_an_upload_past_the_workers_in_flight_cap_is_429_before_its_body(api, ru
 
 
 def test_a_chunked_body_over_the_cap_is_413_and_leaves_no_file(tmp_path, open_api, run_config):
-    settings = CoordinatorSettings(data_dir=tmp_path / "c", max_upload_bytes=2048)
+    # a cap the tiny run's rounds fit (run create refuses a run whose rounds cannot), and a body twice it
+    settings = CoordinatorSettings(data_dir=tmp_path / "c", max_upload_bytes=64 << 10)
     with open_api(settings) as api:
         api.create_run(run_config())
         headers = api.register()
         lease = api.lease(headers)
         before = params_of(api)
-        resp = post_stream(api, lease.lease_id, Pulled(b"\x00" * 4096), headers)  # no Content-Length
+        resp = post_stream(api, lease.lease_id, Pulled(b"\x00" * (128 << 10)), headers)  # no Content-Length
         assert resp.status_code == 413, resp.text
         assert files_in(api.coordinator.storage, api.coordinator.storage.deltas(api.runtime().run_id)) == []
         assert unchanged(before, api) and api.drain() == 0
@@ -344,3 +345,20 @@ def test_a_third_concurrent_upload_over_a_socket_is_429(served, run_config, make
                            headers={**headers, "Content-Type": "application/octet-stream"})
         assert resp.status_code == 202, resp.text
         client.close()
+
+
+def test_a_run_whose_rounds_cannot_fit_the_upload_cap_is_refused_at_create(settings, open_api, run_config):
+    """The worst-case encoded delta is held against max_upload_bytes before anything is read or
+    written: a dense fp32 round of the tiny model (~80 KB) cannot pass a 32 KiB cap, its int4 form can."""
+    with open_api(settings.model_copy(update={"max_upload_bytes": 32 << 10})) as api:
+        fp32 = run_config("big", compression={"index": "dense", "values": "fp32", "error_feedback": False})
+        resp = api.client.post(f"{API}/runs", json=fp32, headers=api.admin)
+        assert resp.status_code == 422, resp.text
+        detail = resp.json()["detail"]
+        assert "run 'big' is refused: a round's delta of this run can take up to" in detail, detail
+        assert "upload cap of 32.0 KiB" in detail and "IDLETRAIN_MAX_UPLOAD_BYTES" in detail, detail
+        assert api.client.get(f"{API}/runs").json() == []  # nothing was created
+        sparta = run_config("ex", algorithm="sparta", sparta={"p": 1.0, "values": "fp32"})
+        resp = api.client.post(f"{API}/runs", json=sparta, headers=api.admin)
+        assert resp.status_code == 422 and "an exchange of this run" in resp.json()["detail"], resp.text
+        api.create_run(run_config("small", compression={"index": "dense", "values": "int4"}))
