@@ -13,7 +13,8 @@ own and remembers it, so that:
     wait_healthy      until a started coordinator answers /healthz (the test fails with its log if not)
     wait_merged       until a run has merged all it acknowledged and reached a version
     Idletrain         the `python -m idletrain` processes of one test (a coordinator first, then
-                      workers), each logging to logs/NAME.log; close() stops them all
+                      workers: train() runs them for some rounds), each logging to logs/NAME.log;
+                      close() stops them all
 """
 
 from __future__ import annotations
@@ -129,6 +130,23 @@ class Idletrain:
                      stdout=out, stderr=subprocess.STDOUT)
         self.started.append(proc)
         return proc
+
+    def train(self, url: str, run: str, *, workers: int, rounds: int, timeout_s: float = 120) -> None:
+        """`worker run` processes w0..w{workers-1} (state in root/worker{i}) for `rounds` rounds each;
+        the test fails unless each exits 0 having delivered them all."""
+        started = [self.spawn(f"worker{i}", "--log-level", "INFO", "worker", "run", "--coordinator", url,
+                              "--run", run, "--max-rounds", str(rounds), "--threads", "1", "--device", "cpu",
+                              "--state-dir", str(self.root / f"worker{i}"), "--name", f"w{i}")
+                   for i in range(workers)]
+        for i, proc in enumerate(started):
+            log_path = self.logs / f"worker{i}.log"
+            try:
+                code = proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"worker {i} did not finish {rounds} rounds:\n{tail(log_path)}")
+            log = log_path.read_text()
+            assert code == 0, f"worker {i} exited {code}:\n{log[-3000:]}"
+            assert f"worker done: {rounds} rounds delivered" in log, log[-3000:]
 
     def close(self) -> None:
         for proc in self.started[1:]:

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 
 import httpx
@@ -40,18 +39,8 @@ def test_two_workers_train_a_model_over_loopback(tmp_path: Path, corpus_dir: Pat
             first = client.get("/api/v1/runs/loop/status").json()
             assert first["version"] == 0 and len(first["eval_history"]) == 1
 
-            workers = [spawn(f"worker{i}", "--log-level", "INFO", "worker", "run", "--coordinator", url,
-                             "--run", "loop", "--max-rounds", str(ROUNDS), "--threads", "1", "--device", "cpu",
-                             "--state-dir", str(tmp_path / f"worker{i}"), "--name", f"w{i}")
-                       for i in range(WORKERS)]
-            for i, proc in enumerate(workers):
-                try:
-                    code = proc.wait(timeout=120)
-                except subprocess.TimeoutExpired:
-                    pytest.fail(f"worker {i} did not finish {ROUNDS} rounds:\n{procs.tail(logs / f'worker{i}.log')}")
-                log = (logs / f"worker{i}.log").read_text()
-                assert code == 0, f"worker {i} exited {code}:\n{log[-3000:]}"
-                assert f"worker done: {ROUNDS} rounds delivered" in log, log[-3000:]
+            running.train(url, "loop", workers=WORKERS, rounds=ROUNDS)
+            for i in range(WORKERS):
                 assert (tmp_path / f"worker{i}" / "tokens.json").exists()
 
             acknowledged = WORKERS * ROUNDS

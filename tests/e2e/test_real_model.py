@@ -107,18 +107,7 @@ def test_bpe_llama_run_over_loopback_exports_to_transformers(tmp_path: Path, mon
             assert hashlib.sha256(tok_resp.content).hexdigest() == manifest["tokenizer"]["sha256"]
             assert tok_resp.content == (prepared / manifest["tokenizer"]["file"]).read_bytes()
 
-            workers = [spawn(f"worker{i}", "--log-level", "INFO", "worker", "run", "--coordinator", url,
-                             "--run", "real", "--max-rounds", str(ROUNDS), "--threads", "1", "--device", "cpu",
-                             "--state-dir", str(tmp_path / f"worker{i}"), "--name", f"w{i}")
-                       for i in range(WORKERS)]
-            for i, proc in enumerate(workers):
-                try:
-                    code = proc.wait(timeout=120)
-                except subprocess.TimeoutExpired:
-                    pytest.fail(f"worker {i} did not finish {ROUNDS} rounds:\n{procs.tail(logs / f'worker{i}.log')}")
-                log = (logs / f"worker{i}.log").read_text()
-                assert code == 0, f"worker {i} exited {code}:\n{log[-3000:]}"
-                assert f"worker done: {ROUNDS} rounds delivered" in log, log[-3000:]
+            running.train(url, "real", workers=WORKERS, rounds=ROUNDS)
 
             acknowledged = WORKERS * ROUNDS
             procs.wait_merged(client, "real", acknowledged, log=logs / "coordinator.log")
