@@ -22,7 +22,8 @@ class Run(Base):
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     name: Mapped[str] = mapped_column(String(64), unique=True)
     config_json: Mapped[str] = mapped_column(Text)
-    state: Mapped[str] = mapped_column(String(16), default="active")  # creating | active | paused
+    # creating | active | paused | finished (budget reached or `run finish`) | archived
+    state: Mapped[str] = mapped_column(String(16), default="active")
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     n_params: Mapped[int] = mapped_column(BigInteger)
     version: Mapped[int] = mapped_column(BigInteger, default=0)  # deltas processed so far
@@ -36,6 +37,13 @@ class Run(Base):
     bytes_down_model: Mapped[int] = mapped_column(BigInteger, default=0)
     bytes_down_data: Mapped[int] = mapped_column(BigInteger, default=0)
     join_key_hash: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    # the run's lifecycle: it finishes when tokens_trained reaches token_budget (None: no budget) or
+    # its epoch reaches max_epochs (None: epochs repeat until finished by hand); workers following a
+    # project train the active run of highest priority first
+    token_budget: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    max_epochs: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    priority: Mapped[int] = mapped_column(Integer, default=0)
+    finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
 
 
 class Worker(Base):
