@@ -149,6 +149,7 @@ def run_config(*, name: str, steps: int, batch: int, model: ModelConfig, shard_t
         "name": name, "corpus_max_bytes": 1 << 20, **({"corpus": corpus} if corpus else {}),
         "shard_tokens": shard_tokens, "eval_tokens": 4096,
         "eval_every": 1_000_000,  # no evaluations: they would take the coordinator's CPU from the worker
+        "epochs": 0,  # the rounds measured may go round the data more than once; the run must not finish
         "model": dataclasses.asdict(model),
         "inner": {"steps": steps, "batch_size": batch, "lr": 1e-3, "warmup_steps": min(5, steps)},
         "compression": {"index": "dense", "values": values or defaults.compression.values},

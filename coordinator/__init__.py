@@ -14,6 +14,9 @@
     scheduler.py    lease policy (pure): deadlines, lifetimes, seeds, traffic accounting
     trust.py        worker standing (pure): ok / throttled / banned from robust merging's verdicts
     credit.py       contributors' credit (pure): merged tokens times a quick-return bonus
+    spotcheck.py    replay spot-checks' policy (pure): which leases are sampled, by which bounds judged
+    names.py        contributor and team names (pure): what they may hold, the folded form compared
+    stats.py        contributors' stats (pure): daily rows, history, the daily summary, run progress
     ratelimit.py    per-worker (and per-address) token buckets -> 429 + Retry-After
     limits.py       HTTP-layer bounds: body caps, uploads and exchanges in flight, validation slots
     traffic.py      bytes moved, counted in memory and written once a second

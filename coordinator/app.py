@@ -15,12 +15,12 @@ import socket
 import threading
 
 import torch
-from fastapi import FastAPI
+from fastapi import Depends, FastAPI
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 from coordinator import admin, hosts, leader, limits, timing
-from coordinator.api import (dashboard, downloads, errors, exchanges, leases, metrics, relay, reports, runs, uploads,
-                             workers)
+from coordinator.api import (dashboard, deps, downloads, errors, exchanges, leases, metrics, relay, reports, runs,
+                             stats, uploads, workers)
 from coordinator.db import driver_url
 from coordinator.merger import Merger
 from coordinator.services.coordinator import Coordinator
@@ -141,7 +141,9 @@ def create_app(settings: CoordinatorSettings, *, start_merger: bool = True) -> F
                 await client.aclose()
             coord.close()
 
-    app = FastAPI(title="idletrain coordinator", version=str(protocol.API_VERSION), lifespan=lifespan)
+    # every route refuses workers of an API version it no longer serves (426; /healthz says the range)
+    app = FastAPI(title="idletrain coordinator", version=str(protocol.API_VERSION), lifespan=lifespan,
+                  dependencies=[Depends(deps.served_api)])
     errors.install(app)
     app.add_middleware(timing.ServerTiming)  # each answer says where its time went (coordinator/timing.py)
     # every JSON body capped at max_json_bytes before it is read; uploads stream under their own cap
@@ -149,9 +151,13 @@ def create_app(settings: CoordinatorSettings, *, start_merger: bool = True) -> F
     # outermost: a request for a name this coordinator is not known by does nothing (DNS rebinding)
     app.add_middleware(hosts.HostGuard, allowed=hosts.allowed_hosts(settings))
 
+    install = deps.worker_install()
+
     @app.get("/healthz", response_model=protocol.Health, tags=["health"])
     async def healthz() -> protocol.Health:
-        return protocol.Health(keeps_delivering_lease=True)
+        return protocol.Health(keeps_delivering_lease=True, api_version=protocol.API_VERSION,
+                               min_api_version=protocol.MIN_API_VERSION,
+                               worker_install=install, max_upload_bytes=settings.max_upload_bytes)
 
     app.include_router(runs.router)
     app.include_router(reports.router)
@@ -162,6 +168,7 @@ def create_app(settings: CoordinatorSettings, *, start_merger: bool = True) -> F
     app.include_router(downloads.router)
     app.include_router(dashboard.router)
     app.include_router(metrics.router)
+    app.include_router(stats.router)
     return app
 
 

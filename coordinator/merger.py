@@ -16,6 +16,7 @@ from coordinator.models import utcnow
 from coordinator.queries import deltas as delta_rows
 from coordinator.queries import leases as lease_rows
 from coordinator.queries import runs as run_rows
+from coordinator.queries import spotchecks as check_rows
 from coordinator.queries import versions as version_rows
 from coordinator.runtime import MergeOutcome, RunRuntime
 from coordinator.services.coordinator import Coordinator
@@ -43,11 +44,13 @@ class Merger:
         self._stop.clear()
         self._thread = threading.Thread(target=self._loop, name="idletrain-merger", daemon=True)
         self._thread.start()
+        self.coord.spotchecks.start()  # the replay spot-checks run where the merging does
 
     def stop(self, timeout: float = 30.0, *, checkpoint: bool = True) -> None:
         """Stop merging; checkpoint each run (not when this process lost the merger lock: another
         process merges now, and the database, not this memory, is what counts)."""
         self._stop.set()
+        self.coord.spotchecks.stop(timeout)
         if self._thread is not None:
             self._thread.join(timeout)
             self._thread = None
@@ -70,6 +73,8 @@ class Merger:
                     worked |= self.step(rt) > 0
                 if time.monotonic() - last_expiry > 1.0:
                     self.coord.leases.expire()
+                    for rt in self.coord.live.runtime_list():  # a run done training finishes (lifecycle.py)
+                        self.coord.lifecycle.settle(rt)
                     last_expiry = time.monotonic()
                 if not worked:  # idle: what merging held back, or a full disk kept from being written
                     for rt in self.coord.live.runtime_list():
@@ -228,7 +233,8 @@ class Merger:
         settings = self.coord.settings  # keep about snapshot_keep snapshots, however far apart they are
         keep_from = rt.version - settings.snapshot_keep * settings.snapshot_every + 1
         with self.coord.db.begin() as c:
-            leased = lease_rows.live_base_versions(c, rt.run_id)
+            # a live lease's base, and a pending spot-check's (its replay starts from it), stay
+            leased = lease_rows.live_base_versions(c, rt.run_id) | check_rows.pending_bases(c, rt.run_id)
             doomed = [v for v in version_rows.older_than(c, rt.run_id, keep_from) if v not in leased and v != 0]
             for v in doomed:
                 rt.storage.delete(rt.storage.snapshot(rt.run_id, v))

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from datetime import date, datetime, timezone
 
-from sqlalchemy import (BigInteger, Boolean, DateTime, Float, ForeignKey, Index, Integer, LargeBinary, String, Text,
-                        UniqueConstraint)
+from sqlalchemy import (BigInteger, Boolean, Date, DateTime, Float, ForeignKey, Index, Integer, LargeBinary, String,
+                        Text, UniqueConstraint)
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 
@@ -22,7 +22,8 @@ class Run(Base):
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     name: Mapped[str] = mapped_column(String(64), unique=True)
     config_json: Mapped[str] = mapped_column(Text)
-    # creating | active | paused | finished (budget reached or `run finish`) | archived
+    # creating | active | paused | finishing (no new leases; the outstanding ones deliver or expire, then
+    # the final evaluation, checkpoint and export) | finished | archived (the bulky state deleted)
     state: Mapped[str] = mapped_column(String(16), default="active")
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     n_params: Mapped[int] = mapped_column(BigInteger)
@@ -44,6 +45,8 @@ class Run(Base):
     max_epochs: Mapped[int | None] = mapped_column(Integer, nullable=True)
     priority: Mapped[int] = mapped_column(Integer, default=0)
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    # finishing: the leases still out then are given up at this time (`run finish --grace`; None: wait for them)
+    finish_by: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
 
 
 class Worker(Base):
@@ -51,7 +54,8 @@ class Worker(Base):
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     run_id: Mapped[int] = mapped_column(ForeignKey("runs.id"), index=True)
     token_hash: Mapped[str] = mapped_column(String(64), unique=True)
-    name: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    name: Mapped[str | None] = mapped_column(String(64), nullable=True)  # its contributor's (None: anonymous)
+    contributor_id: Mapped[int | None] = mapped_column(ForeignKey("contributors.id"), nullable=True)
     team: Mapped[str | None] = mapped_column(String(64), nullable=True)
     device: Mapped[str | None] = mapped_column(String(64), nullable=True)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
@@ -186,3 +190,55 @@ class Refusal(Base):
     kind: Mapped[str] = mapped_column(String(16))  # delta | exchange | renew | ...
     reason: Mapped[str] = mapped_column(Text)
     at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class Contributor(Base):
+    """A contributor name claimed in a run: the first worker to register it claims it, and the run's
+    later workers join under it only with its contributor key (coordinator/names.py folds the names
+    compared, so a lookalike cannot pass for it)."""
+
+    __tablename__ = "contributors"
+    __table_args__ = (UniqueConstraint("run_id", "name_key"),)
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id"))
+    name: Mapped[str] = mapped_column(String(64))  # as first registered: every machine of it shows this
+    name_key: Mapped[str] = mapped_column(String(256))  # the folded name (names.name_key)
+    key_hash: Mapped[str] = mapped_column(String(64))
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class DailyStat(Base):
+    """One worker's contribution on one UTC day, moved in the transaction that moves its ledger
+    (queries/workers.py): tokens and deltas when acknowledged, rejections, credit when awarded or
+    revoked. The daily stats aggregate these by contributor name and by team."""
+
+    __tablename__ = "daily_stats"
+    __table_args__ = (Index("ix_daily_stats_worker", "worker_id", "day"),)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id"), primary_key=True)
+    day: Mapped[date] = mapped_column(Date, primary_key=True)
+    worker_id: Mapped[int] = mapped_column(ForeignKey("workers.id"), primary_key=True)
+    tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    deltas_accepted: Mapped[int] = mapped_column(Integer, default=0)
+    deltas_rejected: Mapped[int] = mapped_column(Integer, default=0)
+    credit: Mapped[float] = mapped_column(Float, default=0.0)
+
+
+class SpotCheck(Base):
+    """A delivered lease sampled for the replay spot-check (coordinator/spotcheck.py): the coordinator
+    re-trains its round and compares it with the delta sent (a copy kept until the check is done).
+    While pending it keeps the lease's base snapshot from being deleted."""
+
+    __tablename__ = "spot_checks"
+    __table_args__ = (Index("ix_spot_checks_pending", "run_id", "verdict"),)
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id"))
+    lease_id: Mapped[int] = mapped_column(ForeignKey("leases.id"), unique=True)
+    worker_id: Mapped[int] = mapped_column(ForeignKey("workers.id"), index=True)
+    base_version: Mapped[int] = mapped_column(BigInteger)
+    verdict: Mapped[str] = mapped_column(String(16), default="pending")  # pending | passed | failed | skipped
+    cosine: Mapped[float | None] = mapped_column(Float, nullable=True)
+    norm_ratio: Mapped[float | None] = mapped_column(Float, nullable=True)
+    reason: Mapped[str | None] = mapped_column(Text, nullable=True)
+    credit_revoked: Mapped[float] = mapped_column(Float, default=0.0)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)  # when judged

@@ -33,6 +33,7 @@ def demo_config(*, workers: int, minutes: float) -> RunConfig:
         "eval_tokens": 1 << 15,
         "lease_ttl_s": 300,
         "schedule_tokens": max(expected_tokens, 1 << 20),
+        "epochs": 0,  # the demo ends on its clock: a long one goes round the data again rather than finish
         "inner": {"steps": steps, "batch_size": batch, "lr": 3e-3, "warmup_steps": 30},
         "outer": {"group": workers},  # compression and the outer optimiser keep the run defaults
     })

@@ -196,6 +196,21 @@ class RunConfig(_Strict):
     outer: OuterConfig = Field(default_factory=OuterConfig)
     sparta: SpartaConfig = Field(default_factory=SpartaConfig)
     robust: RobustConfig = Field(default_factory=RobustConfig)
+    # -- the lifecycle: when the run finishes, and its place among the coordinator's runs. The
+    # coordinator keeps the values it runs by in the run's row (`idletrain run set` changes them).
+    token_budget: int | None = Field(None, ge=1, le=2**62, description="the run finishes once its workers trained "
+                                                                      "this many tokens; none: no budget")
+    epochs: int | None = Field(None, ge=0, le=1_000_000, description=(
+        "passes over the training data before the run finishes; 0: repeat until the budget or `run finish`; "
+        "none (the default): 1 without a token_budget, as many as the budget takes with one"))
+    priority: int = Field(0, ge=-1_000_000, le=1_000_000, description="workers following the whole coordinator "
+                                                                      "train the active run of highest priority")
+
+    def max_epochs(self) -> int | None:
+        """The epochs the run may train (None: no limit), as `epochs` says."""
+        if self.epochs is None:
+            return 1 if self.token_budget is None else None
+        return self.epochs or None
 
     @field_validator("model", mode="before")
     @classmethod

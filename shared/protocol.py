@@ -1,5 +1,6 @@
 """The JSON contract between coordinator and worker (bodies of /api/v1). Bump API_VERSION on
-any incompatible change; the coordinator reports it at /healthz and workers check it."""
+any incompatible change, and MIN_API_VERSION once the coordinator stops serving an older worker;
+the coordinator reports both at /healthz and workers check them."""
 
 from __future__ import annotations
 
@@ -16,12 +17,17 @@ from shared.model import ModelConfig
 # 2: leases carry the token dtype and the tokenizer's hash, the model's arch fields and the inner
 # micro-batch; a version-1 worker would refuse them, so it is told to upgrade instead.
 API_VERSION = 2
+# The oldest worker API this coordinator still serves: a worker of MIN_API_VERSION..API_VERSION works,
+# one outside it is answered 426 and told what to install (worker requests say theirs in H_API_VERSION).
+MIN_API_VERSION = 2
 API_PREFIX = "/api/v1"
 
 # Custom headers on binary answers and uploads.
 H_SHA256 = "X-Content-SHA256"  # hex SHA-256 of the body as sent
 H_VERSION = "X-Model-Version"
 H_BASE_VERSION = "X-Base-Version"
+H_API_VERSION = "X-Idletrain-Api"  # on a worker's requests: its API version (absent: the current one)
+H_MAX_BODY = "X-Max-Body-Bytes"  # on a 413: the largest body the route takes
 
 # The exact forms of what a coordinator sends that a worker puts in a file name, a URL or a header:
 # the worker does not trust the coordinator either, and checks them before using any.
@@ -43,6 +49,10 @@ class Health(BaseModel):
     keeps_delivering_lease: bool = Field(False, description="a lease request may name (?keep=) the worker's lease "
                                                             "whose delta is still uploading; that lease stays live "
                                                             "(absent, from an older coordinator: it does not)")
+    min_api_version: int | None = Field(None, description="the oldest worker API served; api_version is the newest "
+                                                          "(absent, from an older coordinator: only api_version)")
+    worker_install: str | None = Field(None, description="what a worker outside the range installs")
+    max_upload_bytes: int | None = Field(None, description="the largest delta body accepted")
 
 
 class RegisterRequest(_Body):
@@ -50,12 +60,16 @@ class RegisterRequest(_Body):
     team: str | None = Field(None, max_length=64)
     device: str | None = Field(None, max_length=64, description="cpu, cuda, mps…")
     join_key: str | None = Field(None, max_length=256)
+    contributor_key: str | None = Field(None, max_length=256, description="adds this machine under `name` when "
+                                        "another claimed it: the key its first registration answered")
 
 
 class RegisterResponse(_Body):
     worker_id: int = Field(ge=1, le=MAX_ID)
     token: str = Field(pattern=TOKEN_PATTERN, description="bearer token (urlsafe, at most 256 characters); shown "
                                                           "once, stored hashed by the coordinator")
+    contributor_key: str | None = Field(None, max_length=256, description="when this registration claimed its name "
+                                        "with a generated key: that key (shown once), which adds other machines")
 
 
 class RunCreated(_Body):
@@ -152,6 +166,8 @@ class WorkerInfo(_Body):
     bytes_up: int
     bytes_down: int
     credit: float = Field(0.0, description="tokens of its merged deltas times their quick-return bonus")
+    spot_checks: dict[str, int] = Field(default_factory=dict, description="its replay spot-checks by verdict: "
+                                        "pending | passed | failed | skipped (a failed one revoked its credit)")
 
 
 class RunStatus(_Body):
@@ -186,13 +202,56 @@ class RunStatus(_Body):
     # the reasons quote the screening's thresholds, a map for a poisoner to stay under them.
     workers_throttled: int = Field(0, description="workers robust merging throttled")
     workers_banned: int = Field(0, description="workers robust merging banned")
+    token_budget: int | None = Field(None, description="the run finishes once this many tokens are trained")
+    max_epochs: int | None = Field(None, description="the run finishes after this many epochs (None: no limit)")
+    priority: int = 0
+    finished_at: datetime | None = None
+    progress: RunProgress | None = None
+
+
+class RunProgress(_Body):
+    """A run's progress toward its token budget, and when it gets there at its recent rate."""
+
+    tokens_trained: int
+    token_budget: int | None = Field(description="None: the run has no token budget")
+    fraction: float | None = Field(description="tokens_trained / token_budget, at most 1 (None: no budget)")
+    tokens_per_s: float | None = Field(description="tokens acknowledged per second over rate_window_s "
+                                                   "(None: none in it)")
+    rate_window_s: float = Field(description="the last hour, or the run's age when younger")
+    eta_s: float | None = Field(description="seconds until the budget at that rate (None: no budget, no recent "
+                                            "work, or the run is not active; 0 once reached)")
 
 
 class RunSummary(_Body):
+    """A run in GET /runs (public): what a worker following the whole coordinator picks by."""
+
     name: str
-    state: str
+    state: str = Field(description="creating | active | paused | finishing | finished | archived")
     version: int
     created_at: datetime
+    priority: int = Field(0, description="workers following the coordinator train the active run of highest "
+                                         "priority they can hold")
+    token_budget: int | None = Field(None, description="the run finishes once this many tokens are trained")
+    tokens_trained: int = 0
+    epoch: int = 0
+    max_epochs: int | None = Field(None, description="the run finishes after this many epochs (None: no limit)")
+    n_params: int = 0
+    join_key_required: bool = Field(False, description="workers must present the run's join key to register")
+    finished_at: datetime | None = None
+
+
+class RunOptions(_Body):
+    """PATCH /runs/{run}: the lifecycle options to change (the operator's); a field left out stays."""
+
+    token_budget: int | None = Field(None, ge=1, le=2**62, description="null: no budget")
+    epochs: int | None = Field(None, ge=0, le=1_000_000, description="0: repeat until the budget or `run finish`")
+    priority: int | None = Field(None, ge=-1_000_000, le=1_000_000)
+
+
+class RunDeleted(_Body):
+    name: str
+    rows: dict[str, int] = Field(description="database rows deleted, per table")
+    files: int = Field(description="files deleted from the data dir")
 
 
 # -- the public dashboard (GET / draws these; names and teams are public, tokens and reasons are not) --
@@ -256,6 +315,7 @@ class Dashboard(_Body):
     leaderboard: list[LeaderboardEntry] = Field(description="by credit, at most 100")
     teams: list[TeamEntry] = Field(description="by credit, at most 50")
     generated_at: datetime
+    progress: RunProgress | None = None
 
 
 class RunMetrics(_Body):
@@ -280,7 +340,8 @@ class RunMetrics(_Body):
 
 
 __all__ = [
-    "API_PREFIX", "API_VERSION", "DeltaAccepted", "EvalPoint", "H_BASE_VERSION", "H_SHA256", "H_VERSION",
+    "API_PREFIX", "API_VERSION", "DeltaAccepted", "EvalPoint", "H_API_VERSION", "H_BASE_VERSION", "H_MAX_BODY",
+    "H_SHA256", "H_VERSION", "MIN_API_VERSION",
     "Health", "Lease", "RegisterRequest", "RegisterResponse", "RunConfig", "RunCreated", "RunStatus", "RunSummary",
     "WorkerInfo", "LeaseRenewed", "Dashboard", "LeaderboardEntry", "LiveWorker", "RunMetrics", "TeamEntry",
 ]

@@ -184,7 +184,7 @@ def run_config(corpus_dir: Path):
     def make(name: str = "t", **overrides) -> dict:
         base = {"name": name, "corpus": str(corpus_dir), "corpus_max_bytes": 1 << 18, "shard_tokens": 8192,
                 "eval_tokens": 4096, "model": dict(TINY_MODEL), "inner": {"steps": 3, "batch_size": 4},
-                "outer": {"group": 2}}
+                "outer": {"group": 2}, "epochs": 0}  # epochs repeat (the default stops after one: lifecycle tests)
         return _deep_merge(base, overrides)
 
     return make

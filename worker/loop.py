@@ -13,6 +13,7 @@
 Ctrl-C once: finish the current lease, deliver it, exit. Twice: exit at once (control.StopFlag).
 A coordinator that is down or restarting is waited for, with backoff and jitter, at start and
 between rounds; what was trained meanwhile waits on disk and is delivered first (recovery.py).
+A refusal only someone's action mends (answers.py) is said once and waited out (connection.py).
 
 Manners: before each round and between local steps the governor (worker/governor.py) asks the
 policy (worker/policy.py) whether to train now: `idletrain worker pause`, the daily transfer cap,
@@ -27,6 +28,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections.abc import Callable
 from datetime import UTC, datetime
 
 import httpx
@@ -36,7 +38,7 @@ from shared import protocol
 from shared.algorithms.registry import ALGORITHMS
 from worker import memory
 from worker.caches import ShardCache, TokenStore
-from worker.client import CoordinatorClient, CoordinatorError, InvalidAnswer, backoff_delay, is_transient, why
+from worker.client import Blocked, CoordinatorClient, CoordinatorError, InvalidAnswer, backoff_delay, is_transient, why
 from worker.connection import Connection
 from worker.control import ControlFile, StatusFile, StopFlag, WorkerStatus
 from worker.delivery import Delivery, log_round
@@ -70,21 +72,23 @@ class Worker:
         self.shards = ShardCache(settings.state_dir / "cache")
         self.store = StateStore(settings.state_dir, settings.coordinator, settings.run)
         self.device = pick_device(settings.device)
-        # The largest model this worker trains: --max-params, else what this machine's memory holds now.
-        self.max_params = settings.max_params or memory.default_max_params(memory.probe(self.device))
-        if settings.max_params is None:
-            log.info("training models of up to %s parameters (from this machine's available memory; "
-                     "--max-params sets another limit)", f"{self.max_params:,}")
+        # The largest model this worker trains: --max-params, else what this machine's memory holds
+        # now; within --max-memory.
+        self.max_params = memory.worker_max_params(settings.max_params, settings.max_memory,
+                                                   lambda: memory.probe(self.device))
         # Every answer is capped while it streams at the largest snapshot (or shard) that limit allows.
         self.client = client or CoordinatorClient(settings.coordinator, timeout_s=settings.request_timeout_s,
                                                   max_retries=settings.max_retries,
                                                   max_download_bytes=memory.download_cap_bytes(self.max_params))
+        self.progress = Progress()
         self.connection = Connection(self.client, settings, TokenStore(settings.state_dir), self.stop,
-                                     device_type=self.device.type)
+                                     device_type=self.device.type, progress=self.progress, publish=self.publish)
         self.trainer = trainer if trainer is not None else LocalTrainer(self.device, fit=FitOptions(
             precision=settings.precision, micro_batch=settings.micro_batch,
             activation_checkpointing=settings.activation_checkpointing, max_params=self.max_params))
         self.suspended = False  # the last round was set aside while paused (RoundSuspended)
+        self.leave_when: Callable[[], bool] | None = None  # following the coordinator (project.py): leave now?
+        self.left: CoordinatorError | None = None  # the refusal that ended this run there (410: finished)
         # Ask for the next lease while a delta still uploads: only of a coordinator that keeps that
         # lease (None: as its /healthz says, `keeps_delivering_lease`; older coordinators do not say it).
         self.lease_ahead: bool | None = None
@@ -92,7 +96,6 @@ class Worker:
         rules = settings.rules()
         self.transfer = DailyTransfer(settings.state_dir / "transfer.json", cap_bytes=rules.daily_transfer_bytes)
         self._moved_bytes = 0  # this process, all traffic: the daily cap's estimate of a round
-        self.progress = Progress()
         self.display = display if display is not None else make_display()
         self.status_file = StatusFile(self.store.dir)
         self._publish_lock = threading.Lock()
@@ -175,7 +178,7 @@ class Worker:
                              progress=lambda: self.progress.step)
         ahead = self.own.ahead_of(lease, base) if resume is None else None
         try:
-            with keeper:  # renews the lease while the round moves (a slow machine keeps its shard)
+            with keeper, self.governor.awake():  # renews the lease while the round moves; --keep-awake
                 result = self.trainer.train_round(
                     lease, base, tokens, resume=resume, ahead=ahead,
                     exchange=lambda step, body: self.client.exchange(lease.lease_id, step, body),  # sparta
@@ -304,8 +307,8 @@ class Worker:
                     # pause comes next (the round counts before it)
                     self.delivery.settle()
                     continue
-                if not self.governor.wait_between_rounds(self.stop.event):
-                    break
+                if not self.governor.wait_between_rounds(self.stop.event) or (self.leave_when and self.leave_when()):
+                    break  # stopped, or (following the coordinator) another run is to be trained
                 self.progress.set_phase("leasing")
                 self.progress.utilisation.start()
                 self.connection.ensure_token()
@@ -314,7 +317,14 @@ class Worker:
                     recover = False
                 elif not self._next_round(moved_before):
                     continue  # no work now: asked again after the wait the coordinator said
-                failures = 0
+                failures, self.connection.blocked_message = 0, None
+            except Blocked as exc:  # only someone's action mends it: say so, keep what was trained, wait
+                if self.leave_when is not None and exc.status in (401, 403, 404, 410):  # the run over, or refusing:
+                    self.left = exc  # following the coordinator, another run may take this worker
+                    break
+                self.connection.wait_blocked(exc)
+                recover = True  # a delta kept on disk goes first
+                continue
             except (httpx.TransportError, CoordinatorError) as exc:
                 if not is_transient(exc):
                     raise
@@ -384,6 +394,9 @@ def run_worker(settings: WorkerSettings) -> int | None:
         stop = StopFlag()
         stop.install()
         trainer = distributed.LeadTrainer(session) if session is not None else None
+        from worker.project import follow, follows_project
+        if follows_project(settings):  # no --run: the coordinator's active runs, by priority
+            return follow(settings, stop=stop, trainer=trainer)
         worker = Worker(settings, stop=stop, trainer=trainer)
         try:
             return worker.run()

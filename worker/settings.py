@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextvars
 import os
+import re
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
@@ -19,6 +20,7 @@ from typing import Literal
 from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
 
+from worker.hours import parse_hours
 from worker.policy import Rules
 from worker.throttle import kbps_to_bytes_per_s
 
@@ -26,6 +28,19 @@ ENV_PREFIX = "IDLETRAIN_WORKER_"
 
 # The config file the settings being built read (set by load_settings for one construction).
 _CONFIG_FILE: contextvars.ContextVar[Path | None] = contextvars.ContextVar("idletrain_worker_config", default=None)
+
+
+MIN_MEMORY_BYTES = 1 << 30  # --max-memory's floor: a small model's round (worker/memory.py's MIN_BUDGET_BYTES)
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40, "k": 10**3, "m": 10**6, "g": 10**9}
+
+
+def parse_size(text: str) -> int:
+    """"6GB" (10^9), "6GiB" (2^30), "512 MB", "6g", "1500000000" -> bytes; ValueError otherwise."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    if m is None or m.group(2).lower() not in _UNITS or not float(m.group(1)) > 0:
+        raise ValueError(f"{text!r} is not a size (a number and a unit: 6GB, 512MB, 8GiB)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
 def default_state_dir() -> Path:
@@ -41,11 +56,14 @@ class WorkerSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid")
 
     coordinator: str = Field(description="coordinator base URL, e.g. http://127.0.0.1:8000")
-    run: str
+    run: str | None = Field(None, description="the run to train; none (or \"auto\"): follow the coordinator's "
+                                              "active runs, the highest priority this worker can hold first")
     token: str | None = Field(None, description="use this token instead of registering / the stored one")
     join_key: str | None = None
     name: str | None = Field(None, max_length=64)
     team: str | None = Field(None, max_length=64)
+    contributor_key: str | None = Field(None, max_length=256, description="adds this machine under `name` when "
+                                        "another claimed it: the key that first registration printed")
     device: Literal["auto", "cpu", "cuda", "mps"] = "auto"
     threads: int | None = Field(None, ge=1, le=1024, description="torch CPU threads; default: torch's choice")
     state_dir: Path = Field(default_factory=default_state_dir, description="token, cache and training state live here")
@@ -86,6 +104,15 @@ class WorkerSettings(BaseSettings):
     max_download_kbps: float | None = Field(None, gt=0, description="download limit, kilobits/s")
     daily_transfer_mb: float | None = Field(None, gt=0, description="bytes sent + received per UTC day, in MB "
                                                                     "(10^6 bytes); when reached, pause until 00:00 UTC")
+    hours: str | None = Field(None, description="when in the week training is allowed, by the local clock: "
+                                                "\"22:00-07:00\", \"mon-fri 19:00-08:00, sat-sun 00:00-24:00\" "
+                                                "(worker/hours.py); default: any time")
+    max_memory: int | None = Field(None, description="the most memory a round may take, in bytes (\"6GB\" and "
+                                                     "\"8GiB\" read too; at least 1GiB): leases that need more are "
+                                                     "refused and micro-batches are made to fit; only ever below the "
+                                                     "default from this machine's memory")
+    keep_awake: bool = Field(False, description="hold off the machine's sleep while a round runs (caffeinate, "
+                                                "systemd-inhibit, SetThreadExecutionState)")
     check_every_s: float = Field(2.0, gt=0, le=60, description="how often the host is checked (idle, battery) "
                                                                "and the status file written")
 
@@ -107,6 +134,21 @@ class WorkerSettings(BaseSettings):
             raise ValueError(f"coordinator URL must start with http:// or https://, got {v!r}")
         return v.rstrip("/")
 
+    @field_validator("hours")
+    @classmethod
+    def _hours(cls, v: str | None) -> str | None:
+        if v is not None:
+            parse_hours(v)  # ValueError naming the bad part
+        return v
+
+    @field_validator("max_memory", mode="before")
+    @classmethod
+    def _size(cls, v: object) -> object:
+        n = parse_size(v) if isinstance(v, str) else v
+        if isinstance(n, int | float) and not isinstance(n, bool) and n < MIN_MEMORY_BYTES:
+            raise ValueError(f"{v!r} is below the least a round needs, 1GiB")
+        return n
+
     def battery_policy(self) -> Literal["pause", "run"]:
         if self.on_battery is not None:
             return self.on_battery
@@ -115,7 +157,8 @@ class WorkerSettings(BaseSettings):
     def rules(self) -> Rules:
         cap = int(self.daily_transfer_mb * 1e6) if self.daily_transfer_mb is not None else None
         return Rules(when=self.when, idle_s=self.idle_minutes * 60.0, on_battery=self.battery_policy(),
-                     max_other_load=self.max_other_load, daily_transfer_bytes=cap)
+                     max_other_load=self.max_other_load, daily_transfer_bytes=cap,
+                     hours=parse_hours(self.hours) if self.hours is not None else None, keep_awake=self.keep_awake)
 
     def upload_bytes_per_s(self) -> float | None:
         return kbps_to_bytes_per_s(self.max_upload_kbps) if self.max_upload_kbps else None
@@ -170,6 +213,8 @@ def describe_errors(exc: ValidationError) -> str:
                          f"put `{loc} = ...` in {default_config_file()})")
         elif e["type"] == "extra_forbidden":
             lines.append(f"{loc}: not a worker setting")
+        elif e["type"] == "value_error" and "error" in e.get("ctx", {}):
+            lines.append(f"{loc}: {e['ctx']['error']}")  # our validators' own words, without "Value error, "
         else:
             lines.append(f"{loc}: {e['msg']}")
     return "; ".join(lines)

@@ -1,12 +1,15 @@
 """Every statement the coordinator runs, by table, each behind a typed function over a Connection.
 
-    runs.py       runs: create, look up, state, byte counters, epochs, the merger's version fence
+    runs.py       runs: create, look up, state, byte counters, epochs, the merger's version fence, the
+                  lifecycle (options, finishing, finished), a run deleted with every row of it
     workers.py    workers and refusals: authentication, registration, the ledger, standing, judged events
     leases.py     leases and shards: grant (a shard picked and claimed in one UPDATE), renew, give up, expire
     deltas.py     received deltas: the upload's checks and acknowledgement, the merger's queue and outcomes
     versions.py   model versions (snapshots on disk) and evaluations; the download lookups
     exchanges.py  sparse exchanges (sparta): record, count, replay, prune their bodies
+    spotchecks.py replay spot-checks: sampled at acknowledgement, the checker's queue, verdicts
     reports.py    the aggregates behind status, the dashboard and /metrics
+    stats.py      contributors (claimed names) and daily stats: moved with the ledger, aggregated by day
     locks.py      PostgreSQL advisory locks: the merger lock (leader.py), the migration lock (migrate.py)
 
 One way to the database: SQLAlchemy Core on a Connection (no ORM unit of work), the caller owning
@@ -16,7 +19,7 @@ built once at import with named parameters: building a statement costs more CPU 
 on a warm connection. Each round trip also does as much as one statement can: a shard is picked
 and claimed in one UPDATE, a run's next sequence number taken and its counts moved in another.
 
-Row locks are taken in one order, lease -> shard -> run -> worker: the merger's commit and the
+Row locks are taken in one order, lease -> shard -> run -> worker (-> its daily_stats row): the merger's commit and the
 traffic flush also lock the run's row before any worker's, so no two transactions wait on each
 other in a circle.
 """

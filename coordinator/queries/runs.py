@@ -1,22 +1,25 @@
 """Runs (and their shards, at creation): create, look up, state, byte counters, epochs, the merger's
-version fence."""
+version fence, the lifecycle (options, finishing, finished) and deleting a run with every row of it."""
 
 from __future__ import annotations
 
 from collections.abc import Collection
 
-from sqlalchemy import Connection, Row, bindparam, insert, select, update
+from datetime import datetime
 
-from coordinator.models import Run, Shard
+from sqlalchemy import Connection, Row, Table, bindparam, delete, func, insert, select, update
 
+from coordinator.models import Base, Lease, Run, Shard
+
+LIVE_STATES = ("active", "paused", "finishing")  # runs with a live model: the merger may still merge their deltas
 _RUN = select(Run.__table__)
 _BY_NAME = _RUN.where(Run.name == bindparam("name"))
 _BY_ID = _RUN.where(Run.id == bindparam("run"))
 # what a lease request reads of its run
-_FOR_LEASE = select(Run.id, Run.name, Run.state, Run.epoch, Run.tokens_trained, Run.config_json).where(
-    Run.name == bindparam("name"))
+_FOR_LEASE = select(Run.id, Run.name, Run.state, Run.epoch, Run.tokens_trained, Run.config_json, Run.token_budget,
+                    Run.max_epochs).where(Run.name == bindparam("name"))
 # Takes the run's row lock (until the commit): sequence numbers follow the commit order, no gaps.
-_DELIVERED = (update(Run).where(Run.id == bindparam("run")).values(
+_DELIVERED = (update(Run).where(Run.id == bindparam("run"), Run.state.in_(LIVE_STATES)).values(
     next_seq=Run.next_seq + 1,
     tokens_trained=Run.tokens_trained + bindparam("tokens", type_=Run.tokens_trained.type),
     worker_steps=Run.worker_steps + bindparam("steps", type_=Run.worker_steps.type),
@@ -34,7 +37,7 @@ def by_id(c: Connection, run_id: int) -> Row | None:
 
 
 def for_lease(c: Connection, name: str) -> Row | None:
-    """(id, name, state, epoch, tokens_trained, config_json) of the run named `name`."""
+    """(id, name, state, epoch, tokens_trained, config_json, token_budget, max_epochs) of the run named `name`."""
     return c.execute(_FOR_LEASE, {"name": name}).first()
 
 
@@ -43,11 +46,13 @@ def id_of(c: Connection, name: str) -> int | None:
 
 
 def insert_creating(c: Connection, *, name: str, config_json: str, n_params: int, train_tokens: int,
-                    eval_tokens: int, join_key_hash: str | None) -> int:
+                    eval_tokens: int, join_key_hash: str | None, token_budget: int | None = None,
+                    max_epochs: int | None = None, priority: int = 0) -> int:
     """A new run in state "creating" (not served until activate()); returns its id."""
     return c.execute(insert(Run).values(
         name=name, config_json=config_json, n_params=n_params, train_tokens=train_tokens, eval_tokens=eval_tokens,
-        join_key_hash=join_key_hash, state="creating").returning(Run.id)).scalar_one()
+        join_key_hash=join_key_hash, state="creating", token_budget=token_budget, max_epochs=max_epochs,
+        priority=priority).returning(Run.id)).scalar_one()
 
 
 def add_shards(c: Connection, rows: list[dict]) -> None:
@@ -60,8 +65,8 @@ def set_state(c: Connection, run_id: int, state: str) -> None:
 
 
 def created(c: Connection, *, besides: Collection[int] = ()) -> list[Row]:
-    """Every column of each run past creation (but those in `besides`), by id."""
-    query = _RUN.where(Run.state != "creating")
+    """Every column of each run past creation and not yet finished (but those in `besides`), by id."""
+    query = _RUN.where(Run.state.in_(LIVE_STATES))
     if besides:
         query = query.where(Run.id.not_in(list(besides)))
     return list(c.execute(query.order_by(Run.id)))
@@ -95,9 +100,11 @@ def open_epoch(c: Connection, run_id: int, epoch: int) -> bool:
     return bool(opened)
 
 
-def delivered(c: Connection, run_id: int, *, tokens: int, steps: int, size: int) -> int:
-    """Count a delivered delta in its run (taking the run's row lock); returns the delta's sequence number."""
-    return c.execute(_DELIVERED, {"run": run_id, "tokens": tokens, "steps": steps, "size": size}).scalar_one() - 1
+def delivered(c: Connection, run_id: int, *, tokens: int, steps: int, size: int) -> int | None:
+    """Count a delivered delta in its run (taking the run's row lock); returns the delta's sequence number.
+    None when the run is finished (or archived): nothing is counted, the delta is not taken."""
+    seq = c.execute(_DELIVERED, {"run": run_id, "tokens": tokens, "steps": steps, "size": size}).scalar_one_or_none()
+    return None if seq is None else seq - 1
 
 
 def advance_version(c: Connection, run_id: int, *, first: int, last: int) -> bool:
@@ -106,3 +113,65 @@ def advance_version(c: Connection, run_id: int, *, first: int, last: int) -> boo
     knowing it yet cannot merge a delta twice."""
     return bool(c.execute(update(Run).where(Run.id == run_id, Run.version == first - 1)
                           .values(version=last)).rowcount)
+
+
+# -- the lifecycle ------------------------------------------------------------------------------
+
+def set_options(c: Connection, run_id: int, *, config_json: str, token_budget: int | None, max_epochs: int | None,
+                priority: int) -> None:
+    """The run's lifecycle options (and its config, which states them too)."""
+    c.execute(update(Run).where(Run.id == run_id).values(config_json=config_json, token_budget=token_budget,
+                                                         max_epochs=max_epochs, priority=priority))
+
+
+def start_finishing(c: Connection, run_id: int, *, finish_by: datetime | None,
+                    states: Collection[str] = ("active", "paused")) -> bool:
+    """Move the run from one of `states` to "finishing" (no new leases); False when it was in none of them."""
+    return bool(c.execute(update(Run).where(Run.id == run_id, Run.state.in_(list(states)))
+                          .values(state="finishing", finish_by=finish_by)).rowcount)
+
+
+def mark_finished(c: Connection, run_id: int, at: datetime, *, next_seq: int) -> bool:
+    """finishing -> finished, only while no delta was acknowledged since the run's next sequence number
+    was `next_seq`; False otherwise (a late delivery came in: merge it first) or when it was not finishing."""
+    return bool(c.execute(update(Run).where(Run.id == run_id, Run.state == "finishing", Run.next_seq == next_seq)
+                          .values(state="finished", finished_at=at, finish_by=None)).rowcount)
+
+
+def live_leases(c: Connection, run_id: int, *, besides_worker: int | None = None) -> int:
+    """The run's leases still out (state active, whatever their deadline), but those of `besides_worker`."""
+    query = select(func.count()).select_from(Lease).where(Lease.run_id == run_id, Lease.state == "active")
+    if besides_worker is not None:
+        query = query.where(Lease.worker_id != besides_worker)
+    return c.scalar(query) or 0
+
+
+def _rows_of(table: Table, run_id: int):
+    """The condition selecting `table`'s rows that belong to the run: by its run_id column, else by a
+    foreign key to a row of a table that has one (a worker, a lease, a delta of the run). None: the
+    table holds nothing of a run (rows across runs, such as a contributor's claimed name, stay)."""
+    if "run_id" in table.c:
+        return table.c.run_id == run_id
+    for fk in table.foreign_keys:
+        owner = fk.column.table
+        if "run_id" in owner.c:
+            return fk.parent.in_(select(fk.column).where(owner.c.run_id == run_id))
+    return None
+
+
+def delete_run(c: Connection, run_id: int) -> dict[str, int]:
+    """Every row of the run, in every table (children first), then the run's own; returns rows per table."""
+    gone: dict[str, int] = {}
+    for table in reversed(Base.metadata.sorted_tables):
+        if table.name == "runs":
+            continue
+        cond = _rows_of(table, run_id)
+        if cond is not None:
+            gone[table.name] = c.execute(delete(table).where(cond)).rowcount
+    gone["runs"] = c.execute(delete(Run).where(Run.id == run_id)).rowcount
+    return gone
+
+
+def live_lease_rows(c: Connection, run_id: int) -> list[Row]:
+    """(id, shard_id) of the run's leases still out."""
+    return list(c.execute(select(Lease.id, Lease.shard_id).where(Lease.run_id == run_id, Lease.state == "active")))

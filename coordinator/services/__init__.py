@@ -2,6 +2,8 @@
 
     coordinator.py  Coordinator: builds the services, holds what they share, close()
     runs.py         RunService: create (the operator's), list, config, pause / resume
+    lifecycle.py    LifecycleService: budget, epochs, priority; finishing (final eval, checkpoint, export),
+                    archive, delete
     recovery.py     RecoveryService: live models from checkpoints and a replay, the reference round,
                     the newest snapshot, pruning what every kept checkpoint holds
     workers.py      WorkerService: register, authenticate, list / revoke / readmit, standing (trust)
@@ -9,7 +11,9 @@
     downloads.py    DownloadService: snapshots, model updates, shards, the run's tokenizer
     uploads.py      UploadService: precheck, accept (validate, stage, acknowledge)
     exchanges.py    ExchangeService: sparse exchanges (sparta) with the live model
+    spotchecks.py   SpotCheckService: replay spot-checks: keep a sampled delta, re-train its round, judge
     reports.py      ReportService: evaluate, status, the dashboard, /metrics' numbers
+    stats.py        StatsService: contributors' daily stats and history, the daily summary, progress
     live.py         LiveRuns: the live models this process holds, leadership, each run's tensor schema
     common.py       Caller (the worker a request comes from) and small shared checks
 

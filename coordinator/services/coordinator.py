@@ -10,10 +10,13 @@ from coordinator.ratelimit import RateLimiter
 from coordinator.services.downloads import DownloadService
 from coordinator.services.exchanges import ExchangeService
 from coordinator.services.leases import LeaseService
+from coordinator.services.lifecycle import LifecycleService
 from coordinator.services.live import LiveRuns
 from coordinator.services.recovery import RecoveryService
 from coordinator.services.reports import ReportService
 from coordinator.services.runs import RunService
+from coordinator.services.spotchecks import SpotCheckService
+from coordinator.services.stats import StatsService
 from coordinator.services.uploads import UploadService
 from coordinator.services.workers import WorkerService
 from coordinator.settings import CoordinatorSettings
@@ -25,7 +28,8 @@ log = logging.getLogger(__name__)
 
 class Coordinator:
     """The database, the blob storage, the live models and the services over them, one per resource:
-    `runs`, `recovery`, `workers`, `leases`, `downloads`, `uploads`, `exchanges`, `reports`."""
+    `runs`, `recovery`, `workers`, `leases`, `downloads`, `uploads`, `exchanges`, `reports`, `lifecycle`,
+    `stats`, `spotchecks`."""
 
     def __init__(self, settings: CoordinatorSettings) -> None:
         self.settings = settings
@@ -45,14 +49,19 @@ class Coordinator:
         self.workers = WorkerService(self.db, limiter=limiter, traffic=self.traffic)
         self.leases = LeaseService(self.db, settings, limiter=limiter, workers=self.workers)
         self.downloads = DownloadService(self.db, self.storage, traffic=self.traffic, live=self.live)
+        self.spotchecks = SpotCheckService(self.db, self.storage, rate=settings.spot_check_rate, live=self.live,
+                                           workers=self.workers)
         self.uploads = UploadService(
             self.db, self.storage, limiter=limiter, workers=self.workers, live=self.live, validations=validations,
-            in_flight=limits.InFlight(settings.max_concurrent_uploads, what="delta uploads"))
+            in_flight=limits.InFlight(settings.max_concurrent_uploads, what="delta uploads"), spotchecks=self.spotchecks)
         self.exchanges = ExchangeService(
             self.db, limiter=limiter, workers=self.workers, live=self.live, recovery=self.recovery,
             traffic=self.traffic, validations=validations,
             in_flight=limits.InFlight(settings.max_concurrent_exchanges, what="exchanges"))
         self.reports = ReportService(self.db, traffic=self.traffic, recovery=self.recovery)
+        self.stats = StatsService(self.db)
+        self.lifecycle = LifecycleService(self.db, self.storage, live=self.live, recovery=self.recovery,
+                                          reports=self.reports)
 
     def close(self) -> None:
         try:

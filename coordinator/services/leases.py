@@ -30,14 +30,17 @@ log = logging.getLogger(__name__)
 
 class Retry(enum.Enum):
     AGAIN = "again"  # nothing claimed, but a shard may be free in a moment: commit and ask again
+    EXHAUSTED = "exhausted"  # every shard done in the run's last epoch: the run finishes
 
 
-def pick_shard(c: Connection, claim: Executable, run_id: int, epoch: int) -> Row | None | Retry:
+def pick_shard(c: Connection, claim: Executable, run_id: int, epoch: int, *,
+               max_epochs: int | None = None) -> Row | None | Retry:
     """Claim the run's next shard (queries.leases.claim_statement: the least-trained pending one, lowest
     index on ties): (id, index, sha256). Only when no pending shard was free does it look further:
     Retry.AGAIN when pending shards were only being claimed that instant, or when every shard was
-    done and this call opened the next epoch (all pending again); None while the rest are all out on
-    lease (or the run has no shard)."""
+    done and this call opened the next epoch (all pending again); Retry.EXHAUSTED when every shard
+    was done in epoch max_epochs - 1 (None: no limit); None while the rest are all out on lease (or
+    the run has no shard)."""
     claimed = lease_rows.claim(c, claim, run_id)
     if claimed is not None:
         return claimed
@@ -46,8 +49,25 @@ def pick_shard(c: Connection, claim: Executable, run_id: int, epoch: int) -> Row
         return Retry.AGAIN
     if not states or states.get("leased"):
         return None
+    if max_epochs is not None and epoch + 1 >= max_epochs:
+        return Retry.EXHAUSTED
     run_rows.open_epoch(c, run_id, epoch)  # every shard done: one request opens the next epoch, all then pick again
     return Retry.AGAIN
+
+
+def finished_detail(name: str, why: str) -> str:
+    """The 410 a lease request of a run that is finishing or finished gets (workers read "finished")."""
+    return f"run {name!r} finished ({why}); it hands out no more leases"
+
+
+def budget_left(run: Row, cfg: RunConfig, live: int) -> int | None:
+    """Tokens of the run's budget not yet trained nor promised to the `live` leases out (a round each);
+    None: no budget."""
+    if run.token_budget is None:
+        return None
+    per_round = scheduler.round_tokens(steps=cfg.inner.steps, batch_size=cfg.inner.batch_size,
+                                       context=cfg.model.context)
+    return run.token_budget - run.tokens_trained - live * per_round
 
 
 class LeaseService:
@@ -98,16 +118,36 @@ class LeaseService:
             return None  # lost every race this time; the worker asks again after Retry-After
 
     def _admit(self, c: Connection, run: Row, worker: Caller, keep: int | None) -> RunConfig | None:
-        """The request's checks (403, 429 while throttled, `keep` the worker's own); None: the run is paused."""
+        """The request's checks (403, 429 while throttled, `keep` the worker's own, 410 once the run is
+        finishing, or its token budget is trained: it starts finishing then); None: the run is paused,
+        or the leases out would train the rest of its budget (they may expire: ask again)."""
         if worker.run_id != run.id:
             raise Forbidden(f"this worker is registered with another run, not {run.name!r}")
+        if run.state in ("finishing", "finished", "archived"):
+            raise Gone(finished_detail(run.name, "its state is " + run.state))
         if run.state != "active":
             return None
         cfg = RunConfig.model_validate_json(run.config_json)
+        left = budget_left(run, cfg, 0)
+        if left is not None and left <= 0:
+            self._finishing(c, run, f"its token budget of {run.token_budget:,} tokens is trained")
         self.workers.check_throttle(c, worker, cfg)
         if keep is not None:
             owned(lease_rows.owner(c, keep), keep, worker)
+        # the asker's own earlier leases are given up by this request, but for the one it keeps
+        live = run_rows.live_leases(c, run.id, besides_worker=worker.id) + (keep is not None)
+        if left is not None and budget_left(run, cfg, live) <= 0:
+            c.commit()
+            return None
         return cfg
+
+    def _finishing(self, c: Connection, run: Row, why: str) -> None:
+        """The run starts finishing (committed here) and the request gets its 410."""
+        c.rollback()  # nothing else of this request is kept
+        if run_rows.start_finishing(c, run.id, finish_by=None, states=("active",)):
+            log.info("run %s: %s; it finishes once the leases out are delivered or expired", run.name, why)
+        c.commit()
+        raise Gone(finished_detail(run.name, why))
 
     def _try(self, c: Connection, run: Row, cfg: RunConfig, worker: Caller, keep: int | None,
              client: str | None) -> protocol.Lease | None | Retry:
@@ -123,7 +163,9 @@ class LeaseService:
                     f"address {client} holds {held} live leases of run {run.name!r}, the most one address "
                     f"may hold (max_leases_per_address); ask again when one of them is delivered",
                     retry_after=self.ADDRESS_RETRY_S)
-        claimed = pick_shard(c, self._claim, run.id, run.epoch)
+        claimed = pick_shard(c, self._claim, run.id, run.epoch, max_epochs=run.max_epochs)
+        if claimed is Retry.EXHAUSTED:
+            self._finishing(c, run, f"its {run.max_epochs} epoch(s) over the data are trained")
         if not isinstance(claimed, Row):
             c.commit()
             return claimed

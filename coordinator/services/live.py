@@ -38,6 +38,12 @@ class LiveRuns:
         with self._lock:
             self.runtimes[rt.run_id] = rt
 
+    def remove(self, run_id: int) -> None:
+        """Forget one run's live model (it finished, or was deleted)."""
+        with self._lock:
+            self.runtimes.pop(run_id, None)
+            self._schemas.pop(run_id, None)
+
     def runtime_list(self) -> list[RunRuntime]:
         with self._lock:
             return list(self.runtimes.values())

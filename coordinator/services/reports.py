@@ -19,8 +19,9 @@ from coordinator.queries import reports as report_rows
 from coordinator.queries import runs as run_rows
 from coordinator.queries import versions as version_rows
 from coordinator.runtime import RunRuntime
-from coordinator.services.common import aware, named_run
+from coordinator.services.common import aware, aware_or_none, named_run
 from coordinator.services.recovery import RecoveryService
+from coordinator.services.stats import run_progress
 from coordinator.traffic import Traffic
 from shared import protocol
 from shared.config import RunConfig
@@ -100,6 +101,7 @@ class ReportService:
             shard_counts = lease_rows.shard_states(c, run.id)
             clipped = report_rows.clipped(c, run.id)
             standings = report_rows.standings(c, run.id)
+            progress = run_progress(c, run, now=now)
         dense = scheduler.dense_equivalent_bytes(worker_steps=run.worker_steps, n_params=run.n_params)
         moved = run.bytes_up + run.bytes_down_model + run.bytes_down_data
         return protocol.RunStatus(
@@ -113,7 +115,8 @@ class ReportService:
             traffic_ratio_vs_dense=(dense / moved) if moved else None, n_params=run.n_params,
             shards_total=sum(shard_counts.values()), shards_done=shard_counts.get("done", 0), epoch=run.epoch,
             clipped_deltas=clipped, workers_throttled=standings.get("throttled", 0),
-            workers_banned=standings.get("banned", 0))
+            workers_banned=standings.get("banned", 0), token_budget=run.token_budget, max_epochs=run.max_epochs,
+            priority=run.priority, finished_at=aware_or_none(run.finished_at), progress=progress)
 
     # -- the dashboard and /metrics -----------------------------------------------------------
 
@@ -131,6 +134,7 @@ class ReportService:
             live_workers = self._live_workers(c, run, cfg, now)
             leaders = report_rows.leaders(c, run.id, self.DASHBOARD_LEADERS)
             teams = report_rows.teams(c, run.id, self.DASHBOARD_TEAMS)
+            progress = run_progress(c, run, now=now)
         dense = scheduler.dense_equivalent_bytes(worker_steps=run.worker_steps, n_params=run.n_params)
         moved = run.bytes_up + run.bytes_down_model + run.bytes_down_data
         return protocol.Dashboard(
@@ -149,7 +153,7 @@ class ReportService:
             teams=[protocol.TeamEntry(rank=i, team=team, workers=n, tokens_trained=int(tokens),
                                       deltas_accepted=int(accepted), credit=float(credit_))
                    for i, (team, n, tokens, accepted, credit_) in enumerate(teams, 1)],
-            generated_at=now)
+            generated_at=now, progress=progress)
 
     def _live_workers(self, c, run, cfg: RunConfig, now: datetime) -> list[protocol.LiveWorker]:
         """The run's live workers, fastest first: tokens/s is tokens over seconds from lease to upload,

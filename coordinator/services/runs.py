@@ -1,4 +1,4 @@
-"""Runs: create (the operator's), list, config, pause and resume."""
+"""Runs: create (the operator's), list, config, pause and resume (the lifecycle after: lifecycle.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ from coordinator.models import utcnow
 from coordinator.queries import runs as run_rows
 from coordinator.queries import versions as version_rows
 from coordinator.runtime import RunRuntime
-from coordinator.services.common import aware, hash_secret, named_run
+from coordinator.services.common import hash_secret, named_run
+from coordinator.services.lifecycle import summary
 from coordinator.services.live import LiveRuns
 from coordinator.services.recovery import RecoveryService
 from coordinator.settings import CoordinatorSettings
@@ -23,10 +24,6 @@ from shared.config import RunConfig
 from shared.model import build_model, count_params
 
 log = logging.getLogger(__name__)
-
-
-def _summary(run) -> protocol.RunSummary:
-    return protocol.RunSummary(name=run.name, state=run.state, version=run.version, created_at=aware(run.created_at))
 
 
 class RunService:
@@ -60,7 +57,8 @@ class RunService:
             run_id = run_rows.insert_creating(
                 c, name=cfg.name, config_json=cfg.model_dump_json(), n_params=n_params,
                 train_tokens=data.train_tokens, eval_tokens=int(data.eval.size),
-                join_key_hash=hash_secret(cfg.join_key) if cfg.join_key else None)
+                join_key_hash=hash_secret(cfg.join_key) if cfg.join_key else None, token_budget=cfg.token_budget,
+                max_epochs=cfg.max_epochs(), priority=cfg.priority)
         self.storage.write(self.storage.tokenizer(run_id), data.tokenizer.to_json().encode())
         shard_rows = data.store(self.storage, run_id)
         self.storage.write(self.storage.eval_tokens(run_id), memoryview(np.ascontiguousarray(data.eval)).cast("B"))
@@ -81,9 +79,12 @@ class RunService:
         return protocol.RunCreated(name=cfg.name, n_shards=data.n_shards, n_params=n_params,
                                    train_tokens=data.train_tokens, eval_tokens=int(data.eval.size))
 
-    def list(self) -> list[protocol.RunSummary]:
+    def list(self, state: str | None = None) -> list[protocol.RunSummary]:
+        """Every run (or those in `state`): active ones by priority, highest first, then by id."""
         with self.db.read() as c:
-            return [_summary(r) for r in run_rows.every(c)]
+            runs = [r for r in run_rows.every(c) if state is None or r.state == state]
+        return [summary(r) for r in sorted(runs, key=lambda r: -r.priority)] if state == "active" else [
+            summary(r) for r in runs]
 
     def config(self, name: str) -> RunConfig:
         with self.db.read() as c:
@@ -95,8 +96,10 @@ class RunService:
             raise Unprocessable(f"a run can be set active or paused, not {state!r}")
         with self.db.begin() as c:
             run = named_run(run_rows.by_name(c, run_name), run_name)
+            if run.state not in ("active", "paused"):
+                raise Conflict(f"run {run_name!r} is {run.state}: it is no longer paused or resumed")
             run_rows.set_state(c, run.id, state)
             run = run_rows.by_id(c, run.id)
         log.info("run %s is now %s", run.name, state)
-        return _summary(run)
+        return summary(run)
 

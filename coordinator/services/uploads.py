@@ -12,16 +12,18 @@ import threading
 
 from sqlalchemy import Connection, Row
 
-from coordinator import credit, limits, scheduler, timing
+from coordinator import credit, limits, scheduler, spotcheck, timing
 from coordinator.db import Database
 from coordinator.errors import Conflict, Gone, ServiceError, Unprocessable
 from coordinator.models import utcnow
 from coordinator.queries import deltas as delta_rows
 from coordinator.queries import runs as run_rows
+from coordinator.queries import spotchecks as check_rows
 from coordinator.queries import workers as worker_rows
 from coordinator.ratelimit import RateLimiter
 from coordinator.services.common import Caller, aware, owned, rate_limit
 from coordinator.services.live import LiveRuns
+from coordinator.services.spotchecks import SpotCheckService, copy_name
 from coordinator.services.workers import WorkerService
 from coordinator.storage import ReceivedBody, Storage
 from shared import codec, protocol
@@ -46,8 +48,10 @@ def _judged(error: type[ServiceError], message: str) -> Refused:
 
 class UploadService:
     def __init__(self, db: Database, storage: Storage, *, limiter: RateLimiter, workers: WorkerService,
-                 live: LiveRuns, validations: limits.Slots, in_flight: limits.InFlight) -> None:
+                 live: LiveRuns, validations: limits.Slots, in_flight: limits.InFlight,
+                 spotchecks: SpotCheckService | None = None) -> None:
         self.db, self.storage, self.limiter, self.workers, self.live = db, storage, limiter, workers, live
+        self.spotchecks = spotchecks  # replay spot-checks: a sampled lease's delta is kept and checked later
         # HTTP-layer bounds (coordinator/limits.py), per process: the route holds an upload's slot from
         # before its body is read; decoding a body holds a validation slot (shared with exchanges)
         self.validations, self.in_flight = validations, in_flight
@@ -97,13 +101,19 @@ class UploadService:
                     self.storage.stage_received(body, staged)
                 else:
                     self.storage.write(staged, body)
+            kept = self._keep_for_check(lease_id, lease, cfg, staged, digest)
+            acked = None
             with timing.phase("ack_wait"):
                 self._ack_lock.acquire()
             try:
                 with self.db.connect() as c:
-                    return self.ack(c, lease_id, lease, worker, len(body), digest, tokens, cfg, staged, steps=steps)
+                    acked = self.ack(c, lease_id, lease, worker, len(body), digest, tokens, cfg, staged, steps=steps,
+                                     spot_check=kept is not None)
+                    return acked
             finally:
                 self._ack_lock.release()
+                if kept is not None and acked is None:  # not acknowledged: nothing to check
+                    self.storage.delete(kept)  # (a duplicate's copy is the first upload's: same lease, same bytes)
         except Refused as refused:  # after any rollback: counted in a transaction of its own
             self.workers.count_refusal(worker.id, lease.run_id, len(body), reason=refused.reason)
             raise refused.error from None
@@ -140,6 +150,15 @@ class UploadService:
             raise Refused(Gone(f"lease {lease_id} is {lease.run_version - lease.base_version} versions stale, "
                                f"above the run's limit of {cfg.outer.max_staleness}; take a new lease"), None)
 
+    def _keep_for_check(self, lease_id: int, lease: Row, cfg: RunConfig, staged: str, digest: str) -> str | None:
+        """A copy of a sampled lease's staged delta, for its replay spot-check (None: not sampled).
+        Taken before the serial section: the acknowledgement only adds the check's row."""
+        if (self.spotchecks is None or spotcheck.not_checkable(cfg, first_lease=True) is not None
+                or not self.spotchecks.wanted(run_seed=cfg.seed, lease_id=lease_id)):
+            return None
+        with timing.phase("write"):
+            return self.spotchecks.keep(lease.run_id, lease_id, digest, self.storage.read(staged))
+
     def _round(self, lease_id: int, cfg: RunConfig) -> tuple[int, int]:
         """(tokens, steps) the delivery is credited for: a whole round's, or for sparta (whose empty
         delta is evidence of nothing) the share of its exchanges the lease made."""
@@ -155,7 +174,8 @@ class UploadService:
         return tokens, steps
 
     def ack(self, c: Connection, lease_id: int, lease: Row, worker: Caller, size: int, digest: str, tokens: int,
-            cfg: RunConfig, staged: str, *, steps: int | None = None) -> protocol.DeltaAccepted:
+            cfg: RunConfig, staged: str, *, steps: int | None = None,
+            spot_check: bool = False) -> protocol.DeltaAccepted:
         """The acknowledgement itself, under the process's _ack_lock: the delta's sequence number, its
         row and every count, in one transaction (its bytes are stored already, as `staged`). Rows
         are locked in coordinator/queries' order (lease, shard, run, worker): the run's row, which
@@ -163,7 +183,9 @@ class UploadService:
 
         Refused here, under those locks so that no two processes both pass (raises Refused, after
         the rollback, its blob removed): an expired lease whose shard was re-issued since (410), and
-        bytes another lease of the run delivered already (409: identical content merges once)."""
+        bytes another lease of the run delivered already (409: identical content merges once).
+        `spot_check`: the lease was sampled for a replay spot-check (its delta's copy is kept): its
+        pending row is added, unless the run has spotcheck.MAX_PENDING waiting already."""
         steps = cfg.inner.steps if steps is None else steps
         with timing.phase("lock"):
             delivered = delta_rows.mark_delivered(c, lease_id)
@@ -189,6 +211,10 @@ class UploadService:
                 raise Refused(Gone(f"lease {lease_id} expired and its shard was leased again since; its delta "
                                    "is not taken (the shard's new holder trains it): take a new lease"), None)
             seq = run_rows.delivered(c, lease.run_id, tokens=tokens, steps=steps, size=size)
+            if seq is None:  # the run finished meanwhile: its final model is made, nothing merges into it
+                c.rollback()
+                self.storage.delete(staged)
+                raise Refused(Gone(f"lease {lease_id}'s run is finished; its delta is not taken"), None)
             # the run's row is ours: every earlier acknowledgement of the run is committed and seen.
             # Not for empty deltas (sparta's): every round of a version ends with the same one.
             copied = (None if ALGORITHMS[cfg.algorithm].ends_with is End.EMPTY
@@ -204,5 +230,11 @@ class UploadService:
             delta_id = delta_rows.insert_delta(c, run_id=lease.run_id, lease_id=lease_id, worker_id=worker.id,
                                                seq=seq, base_version=lease.base_version, size=size, sha256=digest,
                                                tokens=tokens, steps=steps, now=utcnow())
+            checked = spot_check and check_rows.pending_count(c, lease.run_id) < spotcheck.MAX_PENDING
+            if checked:
+                check_rows.insert_pending(c, run_id=lease.run_id, lease_id=lease_id, worker_id=worker.id,
+                                          base_version=lease.base_version)
             c.commit()
+        if spot_check and not checked:  # too many checks wait: this one is not taken
+            self.storage.delete(copy_name(self.storage, lease.run_id, lease_id, digest))
         return protocol.DeltaAccepted(lease_id=lease_id, delta_id=delta_id, will_merge_into=seq)

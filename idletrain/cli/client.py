@@ -62,15 +62,18 @@ class OperatorClient:
     def _unreachable(self, exc: httpx.TransportError) -> int:
         return fail(f"cannot reach the coordinator at {self.base} ({exc}); is it running?")
 
-    def call(self, method: str, path: str, *, admin: bool = False) -> tuple[int, object]:
-        """One request to /api/v1{path}; with `admin`, carrying the operator's token."""
+    def call(self, method: str, path: str, *, admin: bool = False, json: dict | None = None,
+             params: dict | None = None) -> tuple[int, object]:
+        """One request to /api/v1{path} (with a `json` body, query `params`); with `admin`, carrying the
+        operator's token."""
         headers: dict = {}
         if admin:
             rc, headers = self._headers()
             if rc:
                 return rc, None
         try:
-            resp = httpx.request(method, f"{self.base}/api/v1{path}", timeout=60, headers=headers)
+            extra = {k: v for k, v in (("json", json), ("params", params)) if v is not None}
+            resp = httpx.request(method, f"{self.base}/api/v1{path}", timeout=60, headers=headers, **extra)
         except httpx.TransportError as exc:
             return self._unreachable(exc), None
         if resp.status_code in (401, 403) and admin:

@@ -1,7 +1,7 @@
 """The operator's commands against a running coordinator, all through one OperatorClient:
-`idletrain run create|list|show|pause|resume`, `idletrain worker list|revoke|readmit`,
-`idletrain status`, and the model: `idletrain export` (.safetensors, or a Hugging Face folder:
-idletrain/export.py) and `idletrain sample` (text, through the run's tokenizer)."""
+`idletrain run create|list|show|pause|resume` (set|finish|archive|delete: lifecycle.py), `idletrain worker
+list|revoke|readmit`,
+and `idletrain status` (the model's `export` and `sample`: model.py)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from pydantic import ValidationError
 
 from idletrain.cli.client import OperatorClient
 from idletrain.cli.common import ADMIN_TOKEN_HELP, DATA_DIR_HELP, DEFAULT_COORDINATOR, describe_validation, fail
+from idletrain.cli.lifecycle import describe, token_count
 from shared.algorithms.registry import NAMES
 from shared.config import RunConfig
 from shared.model import PRESETS
@@ -62,6 +63,11 @@ RUN_FLAGS = [  # (flag, dotted config key, type, help)
     ("--max-staleness", "outer.max_staleness", int, "versions a delta may lag before refusal"),
     ("--sparta-p", "sparta.p", float, "sparta: fraction of each tensor exchanged per exchange"),
     ("--sparta-every", "sparta.every", int, "sparta: local steps between exchanges"),
+    ("--token-budget", "token_budget", token_count, "finish once this many tokens are trained (2e9, 500M ...)"),
+    ("--epochs", "epochs", int, "finish after this many passes over the data; 0: repeat until the budget or `run "
+     "finish` (default: 1 without --token-budget, as many as the budget takes with it)"),
+    ("--priority", "priority", int, "workers following the coordinator train the active run of highest priority "
+     "(default 0)"),
 ]
 
 
@@ -122,9 +128,20 @@ def format_status(st: dict) -> str:
     ratio = st.get("traffic_ratio_vs_dense")
     return (f"run {st['name']} [{st['state']}] version {st['version']}: {st['merged_deltas']} merged, "
             f"{st['pending_deltas']} queued, {st['rejected_deltas']} rejected | workers {st['workers_active']} active "
-            f"/ {st['workers_total']} | tokens {st['tokens_trained']:,} | eval loss {first} -> {last} | "
+            f"/ {st['workers_total']} | tokens {st['tokens_trained']:,}"
+            + (f" of {st['token_budget']:,}" if st.get("token_budget") else "") + _eta(st.get("progress"))
+            + f" | eval loss {first} -> {last} | "
             f"up {st['bytes_up'] / 1e6:.1f} MB, down {st['bytes_down'] / 1e6:.1f} MB"
             + (f" | {ratio:.0f}x less traffic than dense" if ratio else ""))
+
+
+def _eta(progress: dict | None) -> str:
+    """", about 2h 05m to go" at the recent rate, when the run has a budget and a rate."""
+    eta = (progress or {}).get("eta_s")
+    if eta is None or not progress.get("token_budget"):
+        return ""
+    minutes = int(eta // 60)
+    return f" ({progress['fraction']:.0%}, about {minutes // 60}h {minutes % 60:02d}m to go)" if eta else " (done)"
 
 
 def _flagged_lines(client: OperatorClient, st: dict) -> list[str]:
@@ -152,7 +169,9 @@ def cmd_run_list(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(runs, indent=2))
     for r in [] if args.json else runs:
-        print(f"{r['name']:<24} {r['state']:<8} version {r['version']:<8} created {r['created_at']}")
+        budget = f"{r.get('tokens_trained', 0):,}" + (f"/{r['token_budget']:,}" if r.get("token_budget") else "")
+        print(f"{r['name']:<24} {r['state']:<9} priority {r.get('priority', 0):<4} version {r['version']:<8} "
+              f"tokens {budget:<24} created {r['created_at']}")
     return 0
 
 
@@ -170,8 +189,9 @@ def cmd_run_show(args: argparse.Namespace) -> int:
     print(format_status(st))
     print(f"  algorithm {cfg['algorithm']}, model {cfg['model']}, H={cfg['inner']['steps']}, "
           f"compression {cfg['compression']}, outer {cfg['outer']}")
-    print(f"  shards {st['shards_done']}/{st['shards_total']} done (epoch {st['epoch']}), "
+    print(f"  shards {st['shards_done']}/{st['shards_total']} done, "
           f"{st['clipped_deltas']} deltas clipped by robust merging")
+    print("  " + describe(st) + (f", finished at {st['finished_at']}" if st.get("finished_at") else ""))
     for line in _flagged_lines(client, st):
         print(line)
     return 0
@@ -212,6 +232,8 @@ def cmd_worker_list(args: argparse.Namespace) -> int:
               f"{w['deltas_rejected']:>8}  {w['last_seen']}")
         if w["standing_reason"]:
             print(f"      why: {w['standing_reason']}")
+        if w.get("spot_checks"):
+            print("      spot-checks: " + ", ".join(f"{n} {v}" for v, n in sorted(w["spot_checks"].items())))
     return 0
 
 
@@ -224,91 +246,6 @@ def cmd_worker_admin(args: argparse.Namespace) -> int:
     return 0
 
 
-# -- the model --------------------------------------------------------------------------------
-
-def _fetch_model(args: argparse.Namespace, version: str):
-    """(params, metadata, ModelConfig) of a run's snapshot, checked like a worker checks it."""
-    import hashlib
-
-    from shared.model import ModelConfig, build_model, param_schema
-    from shared.snapshot import decode_snapshot
-
-    client = OperatorClient(args)
-    rc, cfg = client.call("GET", f"/runs/{args.run}/config")
-    if rc:
-        return rc, None
-    rc, resp = client.snapshot(args.run, version)
-    if rc:
-        return rc, None
-    if hashlib.sha256(resp.content).hexdigest() != resp.headers.get("x-content-sha256"):
-        return fail("the snapshot does not match its X-Content-SHA256 header; try again"), None
-    model_cfg = ModelConfig.from_dict(cfg["model"])
-    params, meta = decode_snapshot(resp.content, schema=param_schema(build_model(model_cfg)))
-    return 0, (params, {**meta, "version": resp.headers.get("x-model-version", meta.get("version", "?"))}, model_cfg)
-
-
-def cmd_export(args: argparse.Namespace) -> int:
-    import safetensors.torch
-
-    from idletrain import export
-    from shared.snapshot import snapshot_metadata
-
-    out = Path(args.out)
-    if args.format == "safetensors" and out.suffix != ".safetensors":
-        return fail(f"write the model to a .safetensors file, not {out.name!r} (or a folder with --format hf)")
-    rc, got = _fetch_model(args, args.version)
-    if rc:
-        return rc
-    params, meta, model_cfg = got
-    metadata = snapshot_metadata(args.run, int(meta["version"]), model_cfg.to_dict())
-    n = sum(t.numel() for t in params.values())
-    if args.format == "hf":
-        try:
-            tok = export.fetch_tokenizer(args.coordinator, args.run)
-            export.write_hf_folder(out, model_cfg, params, tok, metadata)
-        except (ValueError, OSError) as exc:
-            return fail(f"cannot export to {out}: {exc}")
-        print(f"wrote {out}/: run {args.run} version {meta['version']}, {n:,} parameters, a Hugging Face "
-              f"{export.hf_config(model_cfg, tok)['architectures'][0]} with its {tok.kind} tokenizer "
-              f"({tok.vocab_size:,} tokens); load it with transformers.AutoModelForCausalLM.from_pretrained")
-        return 0
-    metadata["format"] = "idletrain model; shared.model.build_model(ModelConfig.from_dict(model))"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    safetensors.torch.save_file({n: t.contiguous() for n, t in params.items()}, str(out), metadata=metadata)
-    print(f"wrote {out}: run {args.run} version {meta['version']}, {n:,} parameters")
-    return 0
-
-
-def cmd_sample(args: argparse.Namespace) -> int:
-    import torch
-
-    from idletrain.export import fetch_tokenizer
-    from shared.model import build_model, generate_ids, set_params
-
-    if args.tokens < 1 or args.tokens > 100_000:
-        return fail("--tokens must be between 1 and 100000")
-    if args.temperature < 0:
-        return fail("--temperature must be 0 (greedy) or more")
-    rc, got = _fetch_model(args, args.version)
-    if rc:
-        return rc
-    params, meta, model_cfg = got
-    try:
-        tok = fetch_tokenizer(args.coordinator, args.run)
-    except ValueError as exc:
-        return fail(str(exc))
-    model = build_model(model_cfg)
-    set_params(model, params)
-    # an empty prompt starts from the document separator (a BPE's), or a newline (bytes)
-    prompt = tok.encode(args.prompt) or ([tok.eot_id] if tok.eot_id is not None else tok.encode("\n"))
-    ids = generate_ids(model, prompt, max_new_tokens=args.tokens, temperature=args.temperature,
-                       top_k=args.top_k or None, generator=torch.Generator().manual_seed(args.seed),
-                       allowed=min(tok.vocab_size, model_cfg.vocab_size))  # only ids the tokenizer decodes
-    print(f"# run {args.run}, version {meta['version']}, {tok.kind} tokenizer", file=sys.stderr)
-    sys.stdout.write(args.prompt + tok.decode(ids) + "\n")
-    return 0
-
-
 # -- the parsers ------------------------------------------------------------------------------
 
 def _token_options(sp, extra_help: str = "") -> None:
@@ -316,8 +253,8 @@ def _token_options(sp, extra_help: str = "") -> None:
     sp.add_argument("--data-dir", default=None, help=DATA_DIR_HELP)
 
 
-def register_runs(sub) -> None:
-    """`idletrain run create|list|show|pause|resume`."""
+def register_runs(sub):
+    """`idletrain run create|list|show|pause|resume`; returns the `run` subcommands (lifecycle.py adds its own)."""
     run = sub.add_parser("run", help="manage training runs").add_subparsers(dest="action", required=True)
     create = run.add_parser("create", help="create a training run")
     create.add_argument("name")
@@ -343,6 +280,7 @@ def register_runs(sub) -> None:
         sp.add_argument("--coordinator", default=DEFAULT_COORDINATOR)
         _token_options(sp)
         sp.set_defaults(func=cmd_run_set_state)
+    return run
 
 
 def register_workers(wk) -> None:
@@ -361,25 +299,8 @@ def register_workers(wk) -> None:
         _token_options(sp)
 
 
-def register_model_and_status(sub) -> None:
-    """`idletrain export`, `idletrain sample`, `idletrain status`."""
-    exp = sub.add_parser("export", help="save a run's model: a .safetensors file, or a Hugging Face folder")
-    exp.add_argument("out", metavar="OUT", help="OUT.safetensors, or a folder with --format hf")
-    exp.add_argument("--format", choices=("safetensors", "hf"), default="safetensors",
-                     help="safetensors: our tensors and config (default); hf: a folder transformers loads "
-                          "(config.json, model.safetensors, the run's tokenizer)")
-    smp = sub.add_parser("sample", help="generate text from a run's current model")
-    smp.add_argument("--prompt", default="def ", help="text to continue (default 'def ')")
-    smp.add_argument("--tokens", type=int, default=300, help="tokens to generate (default 300)")
-    smp.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default 0.8)")
-    smp.add_argument("--top-k", type=int, default=40, help="sample among the k likeliest tokens; 0 = all")
-    smp.add_argument("--seed", type=int, default=0)
-    for sp, func in ((exp, cmd_export), (smp, cmd_sample)):
-        sp.add_argument("--run", required=True)
-        sp.add_argument("--version", default="latest", help="a version number or 'latest' (default)")
-        sp.add_argument("--coordinator", default=DEFAULT_COORDINATOR)
-        sp.set_defaults(func=func)
-
+def register_status(sub) -> None:
+    """`idletrain status`."""
     st = sub.add_parser("status", help="print a run's progress")
     st.add_argument("--coordinator", default=DEFAULT_COORDINATOR)
     st.add_argument("--run", required=True)

@@ -101,6 +101,7 @@ def fuzz_app(tmp_path_factory, corpus_dir):
         for name, algorithm in RUNS.items():
             resp = client.post(f"{API}/runs", json=_run_config(name, algorithm, corpus), headers=_bearer(ADMIN_TOKEN))
             assert resp.status_code == 201, resp.text
+    app.state.fuzz_corpus = corpus
     try:
         yield app
     finally:
@@ -128,10 +129,20 @@ def targets(fuzz_app, corpus_dir) -> Targets:
     newer lease, revoked it, paused its run) does not hide the next one's paths."""
     tg = Targets(corpus=str(corpus_dir), tokens={"admin": ADMIN_TOKEN, "garbage": "x" * 43})
     with schemathesis_asgi.get_client(fuzz_app) as client:
-        for run in RUNS:  # a fuzzed pause may have stopped a run (404 where no resume route exists yet)
-            client.post(f"{API}/runs/{run}/resume", headers=_bearer(ADMIN_TOKEN))
+        for run, algorithm in RUNS.items():
+            # a fuzzed finish, archive or delete ends a run for good: such a run is made again
+            got = client.get(f"{API}/runs/{run}/status")
+            if got.status_code == 404 or got.json().get("state") in ("finishing", "finished", "archived"):
+                if got.status_code != 404:
+                    gone = client.delete(f"{API}/runs/{run}", params={"force": "true"}, headers=_bearer(ADMIN_TOKEN))
+                    assert gone.status_code == 200, gone.text
+                made = client.post(f"{API}/runs", json=_run_config(run, algorithm, fuzz_app.state.fuzz_corpus),
+                                   headers=_bearer(ADMIN_TOKEN))
+                assert made.status_code == 201, made.text
+            client.post(f"{API}/runs/{run}/resume", headers=_bearer(ADMIN_TOKEN))  # a fuzzed pause
         for key, run in (("worker", "t"), ("other_run_worker", "u"), ("revoked", "t"), ("spare", "t")):
-            resp = client.post(f"{API}/runs/{run}/workers", json={"name": key})
+            # the module's app lives on: a name is claimed once per run, then joined with its key
+            resp = client.post(f"{API}/runs/{run}/workers", json={"name": key, "contributor_key": f"fuzz-{key}"})
             assert resp.status_code == 201, resp.text
             tg.tokens[key] = resp.json()["token"]
             if key in ("worker", "other_run_worker"):

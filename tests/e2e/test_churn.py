@@ -122,7 +122,7 @@ def test_workers_killed_and_restarted_at_random_still_train_every_shard(tmp_path
         http.headers.update(procs.admin_headers(data_dir))  # this client is the operator's only
         created = http.post(f"{API}/runs", json={
             "name": RUN, "corpus": str(corpus_dir), "corpus_max_bytes": 1 << 18, "shard_tokens": 1900,
-            "eval_tokens": 4096, "eval_every": 4, "lease_ttl_s": TTL_S,
+            "eval_tokens": 4096, "eval_every": 4, "lease_ttl_s": TTL_S, "epochs": 0,
             "model": {"n_layer": 1, "n_head": 2, "d_model": 32, "context": CONTEXT},
             "inner": {"steps": STEPS, "batch_size": BATCH, "lr": 3e-3, "warmup_steps": 5},
             "outer": {"group": 4}})

@@ -104,7 +104,7 @@ def test_sigkill_at_random_moments_loses_and_doubles_nothing(tmp_path: Path, cor
     cfg = RunConfig.model_validate({
         "name": "crash", "corpus": str(corpus_dir), "corpus_max_bytes": 1 << 18, "shard_tokens": 1024,
         "eval_tokens": 4096, "eval_every": 3, "model": {"n_layer": 1, "n_head": 2, "d_model": 32, "context": 32},
-        "inner": {"steps": 3, "batch_size": 2}, "outer": {"group": 3},
+        "inner": {"steps": 3, "batch_size": 2}, "outer": {"group": 3}, "epochs": 0,  # until stopped
         "compression": {"index": "dense", "values": "int8", "error_feedback": False},
         # the replay below is the merge rule alone: no ramp for new workers, and these random deltas
         # agree with no consensus, so none is refused for it

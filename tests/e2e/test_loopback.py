@@ -31,7 +31,7 @@ def test_two_workers_train_a_model_over_loopback(tmp_path: Path, corpus_dir: Pat
             client.headers.update(procs.admin_headers(tmp_path / "data"))  # this client is the operator's only
             created = client.post("/api/v1/runs", json={
                 "name": "loop", "corpus": str(corpus_dir), "shard_tokens": 4096, "eval_tokens": 4096,
-                "eval_every": 2, "model": {"n_layer": 1, "d_model": 32, "n_head": 2, "context": CONTEXT},
+                "eval_every": 2, "epochs": 0, "model": {"n_layer": 1, "d_model": 32, "n_head": 2, "context": CONTEXT},
                 "inner": {"steps": STEPS, "batch_size": BATCH, "lr": 3e-3, "warmup_steps": 5},
                 "compression": {"index": "topk", "fraction": 0.1, "values": "int8"},
                 "outer": {"group": WORKERS}})

@@ -47,7 +47,7 @@ def test_two_workers_train_each_algorithm_over_loopback(loopback, corpus_dir: Pa
     coord_log = lb.logs / "coordinator.log"
     created = client.post("/api/v1/runs", json={
         "name": run, "algorithm": algorithm, "corpus": str(corpus_dir), "shard_tokens": 4096, "eval_tokens": 4096,
-        "eval_every": 2, "model": {"n_layer": 1, "d_model": 32, "n_head": 2, "context": CONTEXT},
+        "eval_every": 2, "epochs": 0, "model": {"n_layer": 1, "d_model": 32, "n_head": 2, "context": CONTEXT},
         "inner": {"steps": STEPS, "batch_size": BATCH, "lr": 3e-3, "warmup_steps": 3},
         "compression": {"index": "topk", "fraction": 0.1, "values": "int8"}, "outer": {"group": WORKERS},
         "sparta": {"p": 0.2, "every": EVERY, "alpha": 0.5, "values": "fp16"}})

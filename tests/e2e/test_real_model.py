@@ -98,7 +98,7 @@ def test_bpe_llama_run_over_loopback_exports_to_transformers(tmp_path: Path, mon
                  "--data", str(prepared), "--arch", "llama", "--vocab-size", str(vocab), "--n-layer", "2",
                  "--d-model", "64", "--n-head", "4", "--context", str(CONTEXT), "--shard-tokens", "4096",
                  "--eval-tokens", "4096", "--eval-every", "2", "--steps", str(STEPS), "--batch-size", str(BATCH),
-                 "--lr", "3e-3", "--group", str(WORKERS))
+                 "--lr", "3e-3", "--group", str(WORKERS), "--epochs", "0")
             cfg = client.get("/api/v1/runs/real/config").json()
             assert cfg["model"]["arch"] == "llama" and cfg["model"]["vocab_size"] == vocab, cfg["model"]
             # the tokenizer workers fetch is the prepared one, byte for byte
