@@ -5,17 +5,22 @@ The formula, in the manner of Folding@home's quick-return bonus (QRB):
     credit = tokens × bonus
     bonus  = clamp( sqrt( K × lease_ttl_s / return_s ), 1, MAX_BONUS )
 
-    tokens      the delta's tokens (inner steps × batch size × context: what the worker trained)
+    tokens      the delta's tokens: inner steps × batch size × context of the run's config, what the lease
+                allowed (never a number the worker claims; coordinator/services/uploads.py `_round`)
     return_s    seconds from the lease being granted to the delta being received (the round trip:
                 snapshot and shard downloads, the local steps, the upload)
     lease_ttl_s the run's lease lifetime, the deadline the worker had (Folding@home's "deadline")
     K = 0.25    a round returned within a quarter of the deadline earns more than its tokens
     MAX_BONUS=4 reached at 1/64 of the deadline; it bounds what a very short round can earn
 
-Only deltas the merger accepts earn credit (a delta rejected at upload or at merge earns none; a
-clipped one still earns it in full; a sparta round's empty delta earns it for the share of its
+Only deltas the merger accepts earn credit (a delta rejected at upload or at merge earns none: one
+that moves the model by nothing or next to nothing is rejected as `idle` even with screening off;
+a clipped one still earns it in full; a sparta round's empty delta earns it for the share of its
 exchanges it made, `sparta_tokens`), and it is awarded once, in the merger's transaction that
-marks the delta merged (WorkerService.record_merge). Why reward speed: merging is asynchronous, so
+marks the delta merged (WorkerService.record_merge). A replay spot-check that fails later
+(coordinator/spotcheck.py) takes the same amount back (the worker's credit goes down by it, the
+check's row records it as credit_revoked); a worker's `tokens_trained` ledger, counted at delivery,
+is not revised. Why reward speed: merging is asynchronous, so
 a delta that returns quickly lags fewer versions behind the global model and is weighted more
 (staleness weight (1+r)^-0.5); a slow round's tokens still count in full, at bonus 1.
 

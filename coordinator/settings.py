@@ -94,6 +94,10 @@ class CoordinatorSettings(BaseSettings):
     leader_poll_s: float = Field(1.0, gt=0, le=60, description="how often a process asks for the merger lock "
                                                                "(takeover time after the leader dies)")
     eval_threads: int = Field(1, ge=1, le=256, description="torch threads for merging and evaluation")
+    # A check re-trains one round on this machine's CPU (coordinator/spotcheck.py): at 0.02 the coordinator
+    # trains one round for every 50 delivered, in a background thread at the lowest priority.
+    spot_check_rate: float = Field(0.02, ge=0, le=1, description="share of delivered leases whose round the "
+                                   "coordinator re-trains and compares with the delta sent; 0 disables")
     # Per-worker rate limits (requests per second, burst); 0 turns one off. Over it: 429 + Retry-After.
     lease_rate: float = Field(2.0, ge=0, description="lease requests per second per worker")
     lease_burst: float = Field(20.0, ge=1)

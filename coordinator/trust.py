@@ -5,6 +5,10 @@
         throttle_s * 2^(rejections - throttle_after), answered 429 + Retry-After in between
     otherwise                                                    -> ok
 
+A failed replay spot-check (coordinator/spotcheck.py) counts as SPOT_CHECK_WEIGHT rejections: the
+coordinator re-trained that round itself and the delta sent is not it, which says more than a
+screen's bound does. One throttles a worker (with the default throttle_after 2), two ban it.
+
 A ban is sticky (a later good delta does not lift it; an operator revokes or re-admits); a
 throttle lifts itself once good deltas push the rejections out of the window. Only the worker's
 own doing counts (`judged`): a delta refused at merge for having waited too long is not.
@@ -20,6 +24,8 @@ from shared.config import RobustConfig
 
 RECENT = 8  # deltas per worker that count
 THROTTLE_S = 30.0  # base pause between leases for a throttled worker
+SPOT_CHECK = "spot-check"  # how the reason of a failed spot-check's refusal begins
+SPOT_CHECK_WEIGHT = 2  # rejections a failed spot-check counts as
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,11 +50,15 @@ def standing(outcomes: Sequence[tuple[str, str | None]], *, current: str, cfg: R
         return Standing("banned", None)  # keep the recorded reason
     recent = list(outcomes)[-RECENT:]
     rejected = [reason for outcome, reason in recent if outcome == "rejected"]
-    if len(rejected) >= cfg.ban_after:
-        return Standing("banned", f"{len(rejected)} of its last {len(recent)} deltas rejected; last: {rejected[-1]}")
-    if len(rejected) >= cfg.throttle_after:
-        return Standing("throttled",
-                        f"{len(rejected)} of its last {len(recent)} deltas rejected; last: {rejected[-1]}")
+    weight = sum(SPOT_CHECK_WEIGHT if (reason or "").startswith(SPOT_CHECK) else 1 for reason in rejected)
+    if not rejected:
+        return Standing("ok", None)
+    count = f"{len(rejected)} of its last {len(recent)} deltas rejected" + (
+        f" (weighing {weight}: a failed spot-check weighs {SPOT_CHECK_WEIGHT})" if weight != len(rejected) else "")
+    if weight >= cfg.ban_after:
+        return Standing("banned", f"{count}; last: {rejected[-1]}")
+    if weight >= cfg.throttle_after:
+        return Standing("throttled", f"{count}; last: {rejected[-1]}")
     return Standing("ok", None)
 
 

@@ -1,5 +1,10 @@
 """Workers: registration, authentication, the operator's list / revoke / readmit, and each worker's
-standing (coordinator/trust.py) from what merging and the refusals made of its work."""
+standing (coordinator/trust.py) from what merging and the refusals made of its work.
+
+Contributor names are unique per run, compared folded (coordinator/names.py): the first worker to
+register a name claims it, and is answered its contributor key (a generated one, unless it brought
+its own); a later worker joins under that name only with that key, and shows the name as first
+claimed. Unnamed workers are anonymous: never compared. Team names are shared, never unique."""
 
 from __future__ import annotations
 
@@ -8,13 +13,15 @@ import secrets
 
 from sqlalchemy import Connection, Row
 
-from coordinator import credit, timing, trust
+from coordinator import credit, names, timing, trust
 from coordinator.db import Database
-from coordinator.errors import Forbidden, NotFound, TooManyRequests, Unauthorized
+from coordinator.errors import Conflict, Forbidden, NotFound, TooManyRequests, Unauthorized, Unprocessable
 from coordinator.models import utcnow
 from coordinator.queries import deltas as delta_rows
 from coordinator.queries import leases as lease_rows
 from coordinator.queries import runs as run_rows
+from coordinator.queries import spotchecks as check_rows
+from coordinator.queries import stats as stat_rows
 from coordinator.queries import workers as worker_rows
 from coordinator.ratelimit import RateLimiter, client_key
 from coordinator.services.common import Caller, aware, aware_or_none, hash_secret, named_run
@@ -56,6 +63,11 @@ class WorkerService:
         wait = self.limiter.take("register", key)
         if wait > 0:
             raise TooManyRequests(f"too many registrations from {key}; retry in {wait:.1f} s", retry_after=wait)
+        try:  # names anyone's page shows: refused (422) when they cannot be shown as plain text
+            name, team = names.clean(req.name), names.clean(req.team, what="team")
+            name_key = names.name_key(name) if name is not None else None
+        except ValueError as exc:
+            raise Unprocessable(str(exc)) from None
         with self.db.begin() as c:
             run = named_run(run_rows.by_name(c, run_name), run_name)
             if run.join_key_hash is not None:
@@ -63,10 +75,35 @@ class WorkerService:
                     raise Unauthorized(f"run {run_name!r} requires a join key (--join-key)")
                 if not secrets.compare_digest(hash_secret(req.join_key), run.join_key_hash):
                     raise Forbidden("wrong join key")
+            contributor_id, contributor_key = None, None
+            if name is not None:
+                name, contributor_id, contributor_key = self._contributor(
+                    c, run.id, run_name, name=name, name_key=name_key, key=req.contributor_key)
             token = secrets.token_urlsafe(32)
-            worker_id = worker_rows.insert_worker(c, run_id=run.id, token_hash=hash_secret(token), name=req.name,
-                                                  team=req.team, device=req.device)
-        return protocol.RegisterResponse(worker_id=worker_id, token=token)
+            worker_id = worker_rows.insert_worker(c, run_id=run.id, token_hash=hash_secret(token), name=name,
+                                                  team=team, device=req.device, contributor_id=contributor_id)
+        return protocol.RegisterResponse(worker_id=worker_id, token=token, contributor_key=contributor_key)
+
+    @staticmethod
+    def _contributor(c: Connection, run_id: int, run_name: str, *, name: str, name_key: str,
+                     key: str | None) -> tuple[str, int, str | None]:
+        """(the name the worker shows, its contributor's id, the contributor key to answer): `name`
+        claimed now (with `key`, else a generated key, answered once), or joined with its `key`; 409
+        for a name taken without its key, 403 for a wrong key."""
+        secret = key or secrets.token_urlsafe(16)
+        claimed = stat_rows.claim(c, run_id=run_id, name=name, name_key=name_key, key_hash=hash_secret(secret))
+        if claimed is not None:
+            return name, claimed, None if key else secret
+        holder = stat_rows.contributor(c, run_id, name_key)
+        if key is None:
+            shown = "" if holder.name == name else f" (as {holder.name!r}: names are compared ignoring case, " \
+                                                   "width, invisible characters and lookalike letters)"
+            raise Conflict(f"the name {name!r} is taken in run {run_name!r}{shown}. If it is yours, add this "
+                           "machine with the contributor key your first registration printed "
+                           "(--contributor-key KEY); otherwise choose another name")
+        if not secrets.compare_digest(hash_secret(key), holder.key_hash):
+            raise Forbidden(f"wrong contributor key for the name {holder.name!r} in run {run_name!r}")
+        return holder.name, holder.id, None
 
     def authenticate(self, token: str | None) -> Caller:
         if not token:
@@ -95,7 +132,9 @@ class WorkerService:
         self.traffic.flush()
         with self.db.read() as c:
             run = named_run(run_rows.by_name(c, run_name), run_name)
-            return [_info(w) for w in worker_rows.of_run(c, run.id)]
+            checks = check_rows.by_run(c, run.id)  # replay spot-checks (services/spotchecks.py)
+            return [_info(w).model_copy(update={"spot_checks": checks.get(w.id, {})})
+                    for w in worker_rows.of_run(c, run.id)]
 
     @staticmethod
     def _of_run(c: Connection, run_name: str, worker_id: int) -> Row:

@@ -17,7 +17,8 @@ compares it with what an honest round can look like and with what honest rounds 
     norm > bound_factor * H * lr * sqrt(n)       -> rejected (the same, for every element at once)
     norm > reference_factor * reference          -> rejected: the coordinator's own round of AdamW
                                                     steps on the run's data, scaled up to H steps
-    norm == 0, or < min_norm_ratio / 10 * reference -> rejected: no round's work ("too small")
+    norm == 0, or < min_norm_ratio / 10 * reference -> rejected ("idle"): no round's work, and no credit;
+                                                    also with screening off (enabled = false)
     cosine < min_cosine                          -> rejected ("points against the consensus")
   while fewer than min_workers distinct workers (or min_history norms) are known:
     norm > EARLY_SHARE * reference and cosine < min_agreement -> rejected: large and not along
@@ -65,7 +66,8 @@ class Rejection(str, enum.Enum):
     UNREADABLE = "unreadable"
     NONFINITE = "nonfinite"
     BOUND = "bound"  # beyond what a round of AdamW steps (or the reference round) can move
-    SMALL = "small"
+    IDLE = "idle"  # moves the model by nothing, or next to nothing: no round's work, and no credit
+    SMALL = "small"  # far below the recent median
     NORM = "norm"  # far above the recent median
     DIRECTION = "direction"  # against, or not along, the consensus
     OTHER = "other"
@@ -236,6 +238,13 @@ def decide(norm: float, cosine: float | None, *, history: Sequence[float] | Norm
 
     if not math.isfinite(norm) or (peak is not None and not math.isfinite(peak)):
         return reject(Rejection.NONFINITE, "its norm is not finite")
+    # with screening off too: a delta that moves nothing is no round's work, and must not earn its credit
+    if norm == 0.0:
+        return reject(Rejection.IDLE, "too small: all its values are zero; it moves nothing, which is no round's work")
+    if reference_norm and norm < cfg.min_norm_ratio / 10 * reference_norm:
+        return reject(Rejection.IDLE,
+                      f"too small: norm {norm:.4g} is {norm / reference_norm:.2g}x the coordinator's own reference "
+                      f"round; it moves next to nothing, which is no round's work (limit {cfg.min_norm_ratio / 10:g}x)")
     if not cfg.enabled:
         return Verdict("accept", 1.0, norm, cosine, None)
     if elements is not None and peak is not None and cfg.element_factor > 0 and peak > cfg.element_factor * elements:
@@ -250,12 +259,6 @@ def decide(norm: float, cosine: float | None, *, history: Sequence[float] | Norm
         return reject(Rejection.BOUND,
                       f"norm {norm:.4g} is {norm / reference_norm:.1f}x the coordinator's own reference round "
                       f"of AdamW steps (limit {cfg.reference_factor:g}x)")
-    if norm == 0.0:
-        return reject(Rejection.SMALL, "too small: all its values are zero, which is no round's work")
-    if reference_norm and norm < cfg.min_norm_ratio / 10 * reference_norm:
-        return reject(Rejection.SMALL,
-                      f"too small: norm {norm:.4g} is {norm / reference_norm:.2g}x the coordinator's own reference "
-                      f"round, which is no round's work (limit {cfg.min_norm_ratio / 10:g}x)")
     if cosine is not None and cosine < cfg.min_cosine:
         return reject(Rejection.DIRECTION,
                       f"points against the recent consensus (cosine {cosine:.3f} < {cfg.min_cosine:g})")

@@ -123,7 +123,9 @@ def test_rejection_classes_are_set_where_each_rejection_is_decided(tmp_path):
     classes = {
         "nonfinite": screen(_dense([math.inf, 0]), history=[], reference=None, cfg=cfg).rejection,
         "bound": screen(_dense([100.0, 0]), history=[], reference=None, cfg=cfg, bound=1.0).rejection,
-        "small": screen(_dense([0.0, 0]), history=[], reference=None, cfg=cfg).rejection,
+        "idle": screen(_dense([0.0, 0]), history=[], reference=None, cfg=cfg).rejection,
+        "small": screen(_dense([1e-3, 0]), history=[1.0] * 4, reference=None,
+                        cfg=cfg.model_copy(update={"min_workers": 1})).rejection,
         "norm": screen(_dense([50.0, 0]), history=history, reference=None, cfg=cfg).rejection,
         "direction": screen(_dense([-1.0, 0]), history=history, reference={"w": torch.tensor([1.0, 0.0])},
                             cfg=cfg).rejection,
@@ -136,7 +138,7 @@ def test_rejection_classes_are_set_where_each_rejection_is_decided(tmp_path):
     # the screen's other rejections fall in the same classes
     assert screen(_dense([100.0, 0]), history=[], reference=None, cfg=cfg, elements=1.0).rejection == "bound"
     assert screen(_dense([100.0, 0]), history=[], reference=None, cfg=cfg, reference_norm=1.0).rejection == "bound"
-    assert screen(_dense([1e-9, 0]), history=[], reference=None, cfg=cfg, reference_norm=1.0).rejection == "small"
+    assert screen(_dense([1e-9, 0]), history=[], reference=None, cfg=cfg, reference_norm=1.0).rejection == "idle"
     assert screen(_dense([1e-3, 0]), history=[1.0] * 4, reference=None,
                   cfg=cfg.model_copy(update={"min_workers": 1})).rejection == "small"
     assert screen(_dense([0, 2.0]), history=history, reference={"w": torch.tensor([1.0, 0.0])},

@@ -1,0 +1,89 @@
+"""Spot-checks: sample at acknowledgement, the checker's queue, verdicts, a worker's record."""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from sqlalchemy import Connection, Row, func, insert, select, update
+
+from coordinator.models import DeltaRecord, Lease, Run, Shard, SpotCheck
+
+
+def insert_pending(c: Connection, *, run_id: int, lease_id: int, worker_id: int, base_version: int) -> None:
+    c.execute(insert(SpotCheck).values(run_id=run_id, lease_id=lease_id, worker_id=worker_id,
+                                       base_version=base_version, verdict="pending", credit_revoked=0.0))
+
+
+def pending_count(c: Connection, run_id: int) -> int:
+    return int(c.scalar(select(func.count()).select_from(SpotCheck).where(SpotCheck.run_id == run_id,
+                                                                            SpotCheck.verdict == "pending")))
+
+
+def pending_bases(c: Connection, run_id: int) -> set[int]:
+    """The base versions of the run's pending checks (their snapshots must stay)."""
+    return set(c.scalars(select(SpotCheck.base_version).where(SpotCheck.run_id == run_id,
+                                                              SpotCheck.verdict == "pending")))
+
+
+def next_ready(c: Connection, *, after_id: int = 0) -> Row | None:
+    """The oldest pending check (id > after_id) whose delta the merger has judged: (id, run_id, lease_id,
+    worker_id, base_version, seed, lr, shard_index, seq, sha256, outcome, tokens, received_at, leased_at,
+    config_json)."""
+    return c.execute(
+        select(SpotCheck.id, SpotCheck.run_id, SpotCheck.lease_id, SpotCheck.worker_id, SpotCheck.base_version,
+               Lease.seed, Lease.lr, Shard.index.label("shard_index"), DeltaRecord.seq, DeltaRecord.sha256, DeltaRecord.outcome,
+               DeltaRecord.tokens, DeltaRecord.received_at, Lease.created_at.label("leased_at"), Run.config_json)
+        .join(Lease, Lease.id == SpotCheck.lease_id).join(Shard, Shard.id == Lease.shard_id)
+        .join(DeltaRecord, DeltaRecord.lease_id == SpotCheck.lease_id).join(Run, Run.id == SpotCheck.run_id)
+        .where(SpotCheck.verdict == "pending", SpotCheck.id > after_id, DeltaRecord.outcome != "queued")
+        .order_by(SpotCheck.id).limit(1)).first()
+
+
+def first_lease(c: Connection, worker_id: int, lease_id: int) -> bool:
+    """Whether `lease_id` is the worker's first lease (its trainer then starts from a fresh AdamW)."""
+    return c.scalar(select(func.count()).select_from(Lease).where(Lease.worker_id == worker_id,
+                                                                   Lease.id < lease_id)) == 0
+
+
+def ahead_of(c: Connection, worker_id: int, lease_id: int, base_version: int, limit: int) -> list[Row]:
+    """(seq, lease_id, sha256) of the worker's deltas from earlier leases that base_version does not hold
+    (seq > base_version), newest `limit` of them: what the worker's round started from its base minus
+    (worker/ledger.py)."""
+    return list(c.execute(select(DeltaRecord.seq, DeltaRecord.lease_id, DeltaRecord.sha256).where(
+        DeltaRecord.worker_id == worker_id, DeltaRecord.lease_id < lease_id, DeltaRecord.seq > base_version)
+        .order_by(DeltaRecord.seq.desc()).limit(limit)))
+
+
+def steps_before(c: Connection, worker_id: int, seq: int) -> int:
+    """Local steps of the worker's deltas acknowledged before sequence number `seq`: where its warm-up stood."""
+    return int(c.scalar(select(func.coalesce(func.sum(DeltaRecord.steps), 0)).where(
+        DeltaRecord.worker_id == worker_id, DeltaRecord.seq < seq)))
+
+
+def record(c: Connection, check_id: int, *, verdict: str, cosine: float | None, norm_ratio: float | None,
+           reason: str | None, credit_revoked: float, at: datetime) -> bool:
+    """Judge a pending check; False if it was judged already (another process's checker)."""
+    return c.execute(update(SpotCheck).where(SpotCheck.id == check_id, SpotCheck.verdict == "pending").values(
+        verdict=verdict, cosine=cosine, norm_ratio=norm_ratio, reason=reason, credit_revoked=credit_revoked,
+        at=at)).rowcount == 1
+
+
+def of_worker(c: Connection, worker_id: int) -> dict[str, int]:
+    """The worker's checks by verdict: {"pending": n, "passed": n, ...} (verdicts with none left out)."""
+    return {v: int(n) for v, n in c.execute(select(SpotCheck.verdict, func.count()).where(
+        SpotCheck.worker_id == worker_id).group_by(SpotCheck.verdict))}
+
+
+def by_run(c: Connection, run_id: int) -> dict[int, dict[str, int]]:
+    """of_worker for every worker of a run with a check: {worker_id: {verdict: n}}."""
+    out: dict[int, dict[str, int]] = {}
+    for worker_id, verdict, n in c.execute(select(SpotCheck.worker_id, SpotCheck.verdict, func.count()).where(
+            SpotCheck.run_id == run_id).group_by(SpotCheck.worker_id, SpotCheck.verdict)):
+        out.setdefault(worker_id, {})[verdict] = int(n)
+    return out
+
+
+def last_failed(c: Connection, worker_id: int) -> Row | None:
+    """(cosine, norm_ratio, reason, at) of the worker's newest failed check."""
+    return c.execute(select(SpotCheck.cosine, SpotCheck.norm_ratio, SpotCheck.reason, SpotCheck.at).where(
+        SpotCheck.worker_id == worker_id, SpotCheck.verdict == "failed").order_by(SpotCheck.id.desc()).limit(1)).first()

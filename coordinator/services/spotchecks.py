@@ -1,0 +1,181 @@
+"""Replay spot-checks: keep a sampled delta's copy at upload, re-train its round later, judge it.
+
+The upload (UploadService) asks `keep(...)` before it acknowledges a sampled lease (policy:
+coordinator/spotcheck.py): the delta's bytes are copied under the run's `spotchecks/` folder, and the
+acknowledgement's transaction adds the pending row, which keeps the lease's base snapshot from being
+deleted (Merger._gc_snapshots) until the check is done.
+
+The checker is one background thread of the merging process, at the lowest CPU priority the OS
+gives it, one check at a time: it takes the oldest pending check whose delta the merger has judged
+(so that a revoked credit is one that was awarded), re-trains the round on CPU from the base
+snapshot (less the worker's own earlier deltas it does not hold yet, as the worker's round starts:
+worker/ledger.py), the shard, the seed and the lr of the lease (shared/algorithms/spotcheck.py),
+and records the verdict. A failed check revokes the credit the delta earned and counts against the
+worker's standing as a refusal does (throttled, then banned: coordinator/trust.py); the delta, if
+merged, stays merged. Requests and merges never wait for it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+
+import torch
+import zstandard
+
+from coordinator import credit, spotcheck, trust
+from coordinator.db import Database
+from coordinator.models import utcnow
+from coordinator.queries import spotchecks as check_rows
+from coordinator.queries import workers as worker_rows
+from coordinator.services.common import aware
+from coordinator.services.live import LiveRuns
+from coordinator.services.workers import WorkerService
+from coordinator.storage import Storage
+from shared import codec
+from shared.algorithms import spotcheck as replay
+from shared.config import RunConfig
+from shared.data import tokens_from_bytes
+from shared.snapshot import decode_snapshot
+
+log = logging.getLogger(__name__)
+
+AHEAD = 8  # the worker's own deltas a round starts without, at most (worker/ledger.py OwnDeltas.KEEP)
+
+
+def copy_name(storage: Storage, run_id: int, lease_id: int, sha256: str) -> str:
+    """Where a sampled lease's delta is kept until its check is done (the received ones are pruned)."""
+    return f"{storage.run_dir(run_id)}/spotchecks/{lease_id:010d}-{sha256[:32]}.delta"
+
+
+class SpotCheckService:
+    IDLE_S = 2.0  # the checker's wait when nothing is ready
+
+    def __init__(self, db: Database, storage: Storage, *, rate: float, live: LiveRuns, workers: WorkerService) -> None:
+        self.db, self.storage, self.rate, self.live, self.workers = db, storage, rate, live, workers
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # -- at upload ---------------------------------------------------------------------------------
+
+    def wanted(self, *, run_seed: int, lease_id: int) -> bool:
+        return spotcheck.sampled(run_seed=run_seed, lease_id=lease_id, rate=self.rate)
+
+    def keep(self, run_id: int, lease_id: int, sha256: str, body: bytes) -> str:
+        """Copy a sampled delta's bytes (before its acknowledgement); returns the copy's name."""
+        name = copy_name(self.storage, run_id, lease_id, sha256)
+        self.storage.write(name, body)
+        return name
+
+    # -- the checker --------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self.rate <= 0 or self._thread is not None:
+            return
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._loop, name="idletrain-spotcheck", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+
+    def _loop(self) -> None:
+        try:  # Linux: a thread's own niceness; merges, requests and evaluations go first
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        except (AttributeError, OSError):
+            pass
+        while not self._stop.is_set():
+            try:
+                done = self.run_next()
+            except Exception:  # logged; the check stays pending and is tried again later
+                log.exception("spot-check failed to run")
+                done = False
+            if not done:
+                self._wake.wait(self.IDLE_S)
+                self._wake.clear()
+
+    def run_pending(self) -> int:
+        """Run every check that is ready now, synchronously (tests). Returns how many."""
+        n = 0
+        while self.run_next():
+            n += 1
+        return n
+
+    def run_next(self) -> bool:
+        """Judge the oldest ready check; False when none is ready."""
+        with self.db.read() as c:
+            row = check_rows.next_ready(c)
+            if row is None:
+                return False
+            first = check_rows.first_lease(c, row.worker_id, row.lease_id)
+            offset = check_rows.steps_before(c, row.worker_id, row.seq)
+            ahead = check_rows.ahead_of(c, row.worker_id, row.lease_id, row.base_version, AHEAD)
+        cfg = RunConfig.model_validate_json(row.config_json)
+        why = spotcheck.not_checkable(cfg, first_lease=first)
+        result = None
+        if why is None:
+            try:
+                result = self._compare(row, cfg, first=first, offset=offset, ahead=ahead)
+            except (OSError, ValueError, zstandard.ZstdError) as exc:  # DeltaFormatError, SnapshotError
+                why = f"its base snapshot, shard or kept delta could not be read: {exc}"
+            except Exception as exc:  # a replay that cannot run must not hold up the checks after it
+                log.exception("run %s: the replay of lease %d failed", cfg.name, row.lease_id)
+                why = f"the replay failed: {exc!r}"
+        self._record(row, cfg, result, skipped=why)
+        self.storage.delete(copy_name(self.storage, row.run_id, row.lease_id, row.sha256))
+        return True
+
+    def _compare(self, row, cfg: RunConfig, *, first: bool, offset: int, ahead: list) -> replay.Comparison:
+        schema = self.live.schema_of(row.run_id)
+        base, _ = decode_snapshot(self.storage.read(self.storage.snapshot(row.run_id, row.base_version)),
+                                  schema=schema)
+        for seq, lease_id, sha in ahead:  # the worker started from its base minus these (worker/ledger.py)
+            blob = next((n for n in (self.storage.delta(row.run_id, seq),
+                                      self.storage.staged_delta(row.run_id, lease_id, sha)) if self.storage.exists(n)),
+                        None)
+            if blob is None:
+                continue  # pruned already: the replay starts a little off, within the carried bounds
+            for name, values in codec.decode(self.storage.read(blob), schema=schema).to_dense(schema).items():
+                base[name] = base[name] - torch.from_numpy(values).reshape(base[name].shape)
+        raw = zstandard.ZstdDecompressor().stream_reader(
+            self.storage.read(self.storage.shard(row.run_id, row.shard_index))).read()
+        tokens = tokens_from_bytes(raw, cfg.tokens.dtype)
+        sent = codec.decode(self.storage.read(copy_name(self.storage, row.run_id, row.lease_id, row.sha256)), schema=schema)
+        pg = replay.replay_round(cfg.model, cfg.inner, base, tokens, lr=row.lr, seed=row.seed,
+                                 step_offset=0 if first else offset)
+        values, ref = replay.on_support(sent, pg)
+        return replay.compare(values, ref, spotcheck.bounds(first_lease=first))
+
+    def _record(self, row, cfg: RunConfig, result: replay.Comparison | None, *, skipped: str | None) -> None:
+        now = utcnow()
+        with self.db.begin() as c:
+            if result is None:
+                check_rows.record(c, row.id, verdict="skipped", cosine=None, norm_ratio=None, reason=skipped,
+                                  credit_revoked=0.0, at=now)
+                log.info("run %s: spot-check of lease %d skipped: %s", cfg.name, row.lease_id, skipped)
+                return
+            revoked = 0.0
+            if not result.passed and row.outcome == "merged":
+                return_s = (aware(row.received_at) - aware(row.leased_at)).total_seconds()
+                revoked = credit.delta_credit(row.tokens, return_s=return_s, lease_ttl_s=cfg.lease_ttl_s)
+            verdict = "passed" if result.passed else "failed"
+            if not check_rows.record(c, row.id, verdict=verdict, cosine=result.cosine, norm_ratio=result.norm_ratio,
+                                     reason=result.reason, credit_revoked=revoked, at=now):
+                return  # judged meanwhile by another process's checker
+            if result.passed:
+                log.debug("run %s: spot-check of lease %d passed (cosine %.4f, norm ratio %.3f)", cfg.name,
+                          row.lease_id, result.cosine, result.norm_ratio)
+                return
+            reason = f"{trust.SPOT_CHECK} of lease {row.lease_id} failed: {result.reason}"
+            worker_rows.add_credit(c, row.worker_id, -revoked)
+            worker_rows.insert_refusal(c, run_id=row.run_id, worker_id=row.worker_id, kind="spotcheck",
+                                       reason=reason[:1000])
+            w = worker_rows.by_id(c, row.worker_id)
+            self.workers.judge(c, row.worker_id, w.standing, cfg)
+        log.warning("run %s: worker %d: %s; %.1f credit revoked", cfg.name, row.worker_id, reason, revoked)

@@ -1,0 +1,47 @@
+"""The replay spot-check's policy (pure): which delivered leases are checked, and by which bounds.
+
+A share `rate` of the delivered leases (settings.spot_check_rate) is sampled when the delta is
+acknowledged, by a hash of the run's seed and the lease id (the coordinator draws no random numbers
+of its own; a worker cannot tell a sampled lease from another, nor make its lease one). The check
+itself (coordinator/services/spotchecks.py) re-trains the round on the coordinator's CPU and
+compares (shared/algorithms/spotcheck.py); a failed check revokes the delta's credit and counts
+against the worker's standing like a rejected delta (coordinator/trust.py).
+
+What it protects is credit and standing: a delta merged before its check failed stays merged (the
+robust screens, shared/algorithms/robust.py, are what protect the model).
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+from shared.algorithms.spotcheck import CARRIED, EXACT, SpotCheckBounds
+from shared.config import RunConfig
+
+MAX_PENDING = 64  # checks waiting per run: beyond, no lease is sampled (each pins a snapshot and a delta copy)
+
+
+def sampled(*, run_seed: int, lease_id: int, rate: float) -> bool:
+    """Whether the lease's delta is checked: a fraction `rate` of the leases (0: none, 1: all)."""
+    if rate <= 0:
+        return False
+    if rate >= 1:
+        return True
+    digest = hashlib.blake2b(f"spot-check:{run_seed}:{lease_id}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") / 2.0 ** 64 < rate
+
+
+def bounds(*, first_lease: bool) -> SpotCheckBounds:
+    """A worker's first lease is trained from a fresh AdamW, as the replay is (EXACT); a later one from
+    the state its earlier rounds left, which the coordinator does not hold (CARRIED)."""
+    return EXACT if first_lease else CARRIED
+
+
+def not_checkable(cfg: RunConfig, *, first_lease: bool) -> str | None:
+    """Why a run's round cannot be compared with its replay (None: it can)."""
+    if cfg.algorithm != "diloco":
+        return f"a {cfg.algorithm} round's progress also travels through its exchanges: no replay compares with it"
+    if cfg.compression.index != "dense" and cfg.compression.error_feedback and not first_lease:
+        return ("a sparse delta with error feedback carries values its earlier rounds did not send: only a "
+                "worker's first round compares with the replay")
+    return None

@@ -1,0 +1,117 @@
+"""The replay spot-check's math (pure): re-train a lease's round and compare it with what was sent.
+
+The coordinator re-trains a sampled lease's round from the same base, shard, seed and lr with the
+same code a worker runs (inner.run_steps) and a fresh AdamW, and compares the decoded delta the
+worker sent with that replay's pseudo-gradient:
+
+    cosine      cos(sent, replay), on the dense decoded delta
+    norm_ratio  ||sent|| / ||replay||
+
+Two runs of replay_round on CPU give equal bits. A worker's round equals the replay where the
+worker starts from what the replay starts from: its first round (a fresh AdamW, warm-up from step
+0); there the delta sent differs from the replay by its compression alone. A later round of the
+same worker starts from AdamW state its earlier rounds left (and from its base minus its own
+deltas in flight), which the coordinator does not hold: close to the replay, not equal. So the
+verdict has two sets of bounds, `exact` and `carried` (SpotCheckBounds), measured on CPU
+(tests/shared/algorithms/test_spotcheck_math.py, and docs/reliability.md#replay-spot-checks):
+
+    exact (a worker's first round): honest int4 0.9977-0.9990 (norm ratio 1.004-1.012), bf16
+        autocast 0.9987 (its raw pseudo-gradient 0.9999); the delta of another shard from the same
+        base 0.73-0.95, another seed on the same shard 0.81-0.95; half the delta passes the cosine
+        but not the ratio
+    carried (later rounds, AdamW state of earlier rounds): honest 0.80-0.99 (ratio 0.63-1.02);
+        another shard's delta 0.62-0.99 overlaps: not caught there. Zeros (ratio 0), a random
+        delta (~0), a sign-flipped one (-1) and one blown up 10x are caught in both.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+
+import numpy as np
+import torch
+
+from shared.algorithms.inner import make_optimizer, pseudo_gradient, run_steps
+from shared.codec import Delta
+from shared.config import InnerConfig
+from shared.model import ModelConfig, build_model, get_params, set_params
+
+
+@dataclasses.dataclass(frozen=True)
+class SpotCheckBounds:
+    """What a sent delta must be, against the replay, to pass."""
+
+    min_cosine: float
+    min_ratio: float
+    max_ratio: float
+
+    def __post_init__(self) -> None:
+        if not (-1.0 <= self.min_cosine <= 1.0 and 0.0 <= self.min_ratio < self.max_ratio):
+            raise ValueError(f"spot-check bounds out of order: {self}")
+
+
+# A worker's first round is the replay but for compression (int4: cos >= 0.997) and bf16 (>= 0.9999):
+# 0.98 passes those with room and fails another shard's delta (<= 0.95 measured) and a scaled one.
+EXACT = SpotCheckBounds(min_cosine=0.98, min_ratio=0.8, max_ratio=1.25)
+# Later rounds carry AdamW state the replay lacks: honest measured >= 0.80, ratio 0.63-1.02.
+CARRIED = SpotCheckBounds(min_cosine=0.5, min_ratio=0.2, max_ratio=3.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Comparison:
+    cosine: float
+    norm_ratio: float  # ||sent|| / ||replay||; inf when the replay moved nothing and the sent delta did
+    passed: bool
+    reason: str | None  # why it failed
+
+
+def replay_round(model_cfg: ModelConfig, inner: InnerConfig, base: Mapping[str, torch.Tensor], tokens: torch.Tensor,
+                 *, lr: float, seed: int, step_offset: int = 0) -> dict[str, torch.Tensor]:
+    """The pseudo-gradient (base - local) of a round of inner.steps AdamW steps from `base` on
+    `tokens`, batches drawn as a worker draws them (torch.Generator seeded by the lease's seed),
+    with a fresh AdamW; on CPU in fp32, the same bits every time."""
+    model = build_model(model_cfg)
+    set_params(model, {n: t.to(torch.float32) for n, t in base.items()})
+    opt = make_optimizer(model, inner)
+    run_steps(model, opt, tokens, inner, lr=lr, steps=inner.steps, generator=torch.Generator().manual_seed(seed),
+              step_offset=step_offset)
+    return pseudo_gradient(base, get_params(model))
+
+
+def on_support(delta: Delta, replay: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the values the delta sent, the replay's values at the same elements), each one float64 vector:
+    a sparse delta is compared where it sends, not against the zeros where it sends nothing."""
+    sent, ref = [], []
+    for e in delta.entries:
+        values = torch.from_numpy(np.asarray(e.values, dtype=np.float64))
+        r = replay[e.name].reshape(-1).to(torch.float64)
+        sent.append(values)
+        ref.append(r if e.indices is None else r[torch.from_numpy(np.asarray(e.indices, dtype=np.int64))])
+    if not sent:
+        return torch.zeros(0, dtype=torch.float64), torch.zeros(0, dtype=torch.float64)
+    return torch.cat(sent), torch.cat(ref)
+
+
+def compare(sent: torch.Tensor, replay: torch.Tensor, bounds: SpotCheckBounds) -> Comparison:
+    """The verdict on a sent delta (dense, flat) against the replay of its round (flat, same order)."""
+    sent, replay = sent.to(torch.float64), replay.to(torch.float64)
+    ns, nr = float(sent.norm()), float(replay.norm())
+    if not math.isfinite(ns):
+        return Comparison(math.nan, math.nan, False, "the delta sent is not finite")
+    cosine = float(sent @ replay) / (ns * nr) if ns > 0 and nr > 0 else 0.0
+    ratio = ns / nr if nr > 0 else (math.inf if ns > 0 else 1.0)
+    if nr == 0 and ns == 0:
+        return Comparison(1.0, 1.0, True, None)  # a round that moves nothing (lr 0): nothing to tell apart
+    if ns == 0:
+        return Comparison(0.0, 0.0, False, "it moves nothing (all its values are zero) where the coordinator's "
+                                           "replay of the round moves the model")
+    if cosine < bounds.min_cosine:
+        return Comparison(cosine, ratio, False, f"its direction is not the replay's: cosine {cosine:.3f} with the "
+                                                f"coordinator's replay of the round (at least {bounds.min_cosine:g})")
+    if not bounds.min_ratio <= ratio <= bounds.max_ratio:
+        return Comparison(cosine, ratio, False, f"its size is not the replay's: norm {ratio:.3g}x the coordinator's "
+                                                f"replay of the round (within {bounds.min_ratio:g}-"
+                                                f"{bounds.max_ratio:g}x)")
+    return Comparison(cosine, ratio, True, None)
