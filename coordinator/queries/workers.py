@@ -1,4 +1,8 @@
-"""Workers and refusals: authentication, registration, the ledger, standing, the events trust judges."""
+"""Workers and refusals: authentication, registration, the ledger, standing, the events trust judges.
+
+Each change to a worker's ledger (tokens and deltas acknowledged, rejections, credit) also moves its
+row of the day in daily_stats (queries/stats.py), in the same transaction: the daily stats hold
+exactly what the ledger holds, in any process, across restarts."""
 
 from __future__ import annotations
 
@@ -6,7 +10,8 @@ from datetime import datetime
 
 from sqlalchemy import Connection, Row, bindparam, insert, select, update
 
-from coordinator.models import DeltaRecord, Refusal, Worker
+from coordinator.models import DeltaRecord, Refusal, Worker, utcnow
+from coordinator.queries import stats as stat_rows
 
 # the columns a request needs of its worker (the rest are the ledger's)
 _BY_TOKEN = select(Worker.id, Worker.run_id, Worker.revoked, Worker.standing, Worker.standing_reason,
@@ -36,12 +41,14 @@ def leased(c: Connection, worker_id: int, now: datetime) -> None:
 def delivered(c: Connection, worker_id: int, *, tokens: int, size: int) -> None:
     """Count an acknowledged delta in its worker's ledger."""
     c.execute(_DELIVERED, {"worker": worker_id, "tokens": tokens, "size": size})
+    stat_rows.bump(c, worker_id, utcnow().date(), tokens=tokens, accepted=1)
 
 
 def insert_worker(c: Connection, *, run_id: int, token_hash: str, name: str | None, team: str | None,
-                  device: str | None) -> int:
+                  device: str | None, contributor_id: int | None = None) -> int:
     return c.execute(insert(Worker).values(run_id=run_id, token_hash=token_hash, name=name, team=team,
-                                           device=device).returning(Worker.id)).scalar_one()
+                                           device=device, contributor_id=contributor_id)
+                     .returning(Worker.id)).scalar_one()
 
 
 def by_id(c: Connection, worker_id: int) -> Row | None:
@@ -64,10 +71,13 @@ def set_standing(c: Connection, worker_id: int, state: str, reason: str | None) 
 
 def count_rejected(c: Connection, worker_id: int) -> None:
     c.execute(update(Worker).where(Worker.id == worker_id).values(deltas_rejected=Worker.deltas_rejected + 1))
+    stat_rows.bump(c, worker_id, utcnow().date(), rejected=1)
 
 
 def add_credit(c: Connection, worker_id: int, credit: float) -> None:
+    """Award credit to a worker (negative: revoke it), counted on today's row of its daily stats."""
     c.execute(update(Worker).where(Worker.id == worker_id).values(credit=Worker.credit + credit))
+    stat_rows.bump(c, worker_id, utcnow().date(), credit=credit)
 
 
 def add_traffic(c: Connection, worker_id: int, *, up: int, down: int) -> None:

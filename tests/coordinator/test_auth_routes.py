@@ -56,6 +56,10 @@ PUBLIC = {
     ("POST", f"{API}/runs/{{run}}/workers"),  # registration: the run's join key guards it, if it has one
     ("GET", "/"),  # the dashboard page, meant to be shared
     ("GET", f"{API}/runs/{{run}}/dashboard"),  # its numbers: names and teams, never tokens or reasons
+    ("GET", f"{API}/runs/{{run}}/progress"),  # the dashboard's too (coordinator/api/stats.py)
+    ("GET", f"{API}/runs/{{run}}/stats/daily"),  # the contributors' stats: like the leaderboard
+    ("GET", f"{API}/runs/{{run}}/stats/summary"),
+    ("GET", f"{API}/runs/{{run}}/contributors/{{name:path}}/history"),
     ("GET", "/metrics"),  # Prometheus: aggregates per run, nothing the dashboard does not show
 }
 

@@ -60,7 +60,7 @@ def test_two_ipv6_addresses_of_one_64_share_a_registration_bucket(open_api, sett
     settings = settings.model_copy(update={"register_rate": 0.001, "register_burst": 1.0})
     with open_api(settings) as api:
         api.create_run(run_config())
-        coord, req = api.coordinator, protocol.RegisterRequest(name="w")
+        coord, req = api.coordinator, protocol.RegisterRequest(team="w")  # unnamed: a name is claimed once
         coord.workers.register("t", req, client="2001:db8:1:2::1")
         with pytest.raises(TooManyRequests, match="2001:db8:1:2::/64") as refused:
             coord.workers.register("t", req, client="2001:db8:1:2::dead:beef")

@@ -141,7 +141,7 @@ def test_dashboard_renders_in_headless_chromium(tmp_path: Path, corpus_dir: Path
         evals = len(http.get(f"{API}/runs/dash/status").json()["eval_history"])
         assert evals == 1 + ROUNDS * len(WORKERS)
 
-        page = f"{url}/?run=dash"
+        page = f"{url}/?run=dash&who=ada"  # ada's history shows too
         dom = browse(page, tmp_path / "profile-dom", "--dump-dom")
         assert dom.returncode == 0, dom.stderr[-3000:]
         html = dom.stdout
@@ -155,6 +155,10 @@ def test_dashboard_renders_in_headless_chromium(tmp_path: Path, corpus_dir: Path
         assert len(re.findall(r"<tr data-worker=", live)) == len(WORKERS) and "cuda" in live
         assert f'data-version="{version}"' in html  # <body>: the JSON was rendered
         assert re.search(r'<span id="status" class="muted">updated ', html)  # no error on the last poll
+        assert 'data-progress="none"' in html  # the run has no token budget: a bar without a value
+        history = re.search(r'<tbody id="history">(.*?)</tbody>', html, flags=re.S).group(1)
+        assert len(re.findall(r'<tr data-day="\d{4}-\d\d-\d\d">', history)) == 1, history
+        assert len(re.findall(r"<rect ", re.search(r'<svg id="spark".*?</svg>', html, flags=re.S).group(0))) == 1
         over_time = browse(f"{page}&x=time", tmp_path / "profile-time", "--dump-dom")
         assert f'data-points="{evals}" data-mode="time"' in over_time.stdout, over_time.stderr[-3000:]
 
