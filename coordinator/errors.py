@@ -50,6 +50,17 @@ class Unprocessable(ServiceError):
     status_code = 422
 
 
+class UpgradeRequired(ServiceError):
+    """426: a worker of an API version this coordinator does not serve. `extra` joins the answer's
+    body: the range it serves and what to install."""
+
+    status_code = 426
+
+    def __init__(self, detail: str, *, extra: dict[str, object]) -> None:
+        super().__init__(detail)
+        self.extra = extra
+
+
 class TooManyRequests(ServiceError):
     status_code = 429
 

@@ -3,7 +3,11 @@
 Every answer from the coordinator is checked: hashes of snapshots and shards, sizes, and
 the snapshot's contents (safetensors, never pickle). Network errors, 5xx and 429 answers are
 retried with exponential backoff and jitter (up to max_retries per request); a 429 or 503 that
-says Retry-After is waited out as it asks. Other 4xx answers are never retried.
+says Retry-After is waited out as it asks. Other 4xx answers are never retried; worker/answers.py
+says what each means to the worker (those no retry can mend raise a Blocked error).
+
+Every request says the worker's API version (X-Idletrain-Api); a coordinator that no longer serves
+it answers 426 (VersionRefused).
 
 Every answer is read in chunks, capped at max_download_bytes while it streams; with
 set_transfer(...) request bodies and answers are paced by token buckets (--max-upload-kbps,
@@ -12,12 +16,13 @@ set_transfer(...) request bodies and answers are paced by token buckets (--max-u
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import math
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
 from typing import TypeVar
@@ -27,6 +32,8 @@ import zstandard
 from pydantic import BaseModel, ValidationError
 
 from shared import protocol
+from worker.answers import (DELTA_REFUSED, LEASE_LOST, REDELIVERY_REFUSED, Blocked, CoordinatorError, NotAdmitted,
+                            RunUnavailable, UploadTooLarge, VersionRefused, error_for, is_transient, why)
 from worker.throttle import TokenBucket, paced
 
 log = logging.getLogger(__name__)
@@ -58,34 +65,21 @@ def retry_after_s(value: str | None) -> float | None:
     return min(MAX_RETRY_AFTER_S, max(0.0, seconds))
 
 
-class CoordinatorError(Exception):
-    """The coordinator answered with an error; `detail` says why, `retry_after` (seconds) when it
-    said how long to wait (429, 503)."""
-
-    def __init__(self, status: int, detail: str, retry_after: float | None = None) -> None:
-        super().__init__(f"{status}: {detail}")
-        self.status = status
-        self.detail = detail
-        self.retry_after = retry_after
+# The error answers and their kinds live in worker/answers.py; importers keep taking them from here.
+__all__ = ["Blocked", "CoordinatorClient", "CoordinatorError", "DELTA_REFUSED", "IntegrityError", "InvalidAnswer",
+           "LEASE_LOST", "NotAdmitted", "REDELIVERY_REFUSED", "RunUnavailable", "UploadTooLarge", "VersionRefused",
+           "backoff_delay", "is_transient", "retry_after_s", "why"]
 
 
-def is_transient(exc: BaseException) -> bool:
-    """Whether waiting and asking again may help: no connection, a timeout, 5xx, 429."""
-    if isinstance(exc, httpx.TransportError):
-        return True
-    if isinstance(exc, CoordinatorError):
-        return exc.status == 0 or exc.status == 429 or exc.status >= 500
-    return False
-
-
-LEASE_LOST = (404, 409, 410)  # the lease is gone, delivered otherwise, or too stale: take a new one
-
-
-def why(exc: BaseException) -> str:
-    """A failure as a log line says it: the coordinator's status and detail, else the exception."""
-    if isinstance(exc, CoordinatorError):
-        return f"HTTP {exc.status}: {exc.detail}"
-    return repr(exc)
+@contextlib.contextmanager
+def _run_refusal(run: str) -> Iterator[None]:
+    """A 404 or 410 to a request about the run itself: the run is not there (RunUnavailable)."""
+    try:
+        yield
+    except CoordinatorError as exc:
+        if exc.status in (404, 410) and not isinstance(exc, Blocked):
+            raise RunUnavailable(exc.status, exc.detail, run=run) from None
+        raise
 
 
 class IntegrityError(Exception):
@@ -120,8 +114,11 @@ class CoordinatorClient:
     EXCHANGE_RETRIES = 2  # at most, for exchanges: late answers are worth little, and training goes on without them
 
     def __init__(self, base_url: str, *, token: str | None = None, timeout_s: float = 60.0, max_retries: int = 8,
-                 transport: httpx.BaseTransport | None = None, max_download_bytes: int = 1 << 31) -> None:
+                 transport: httpx.BaseTransport | None = None, max_download_bytes: int = 1 << 31,
+                 api_version: int = protocol.API_VERSION) -> None:
         self.token = token
+        self.api_version = api_version
+        self.max_upload_bytes: int | None = None  # the coordinator's upload cap, as its last /healthz said
         self.max_retries = max_retries
         self.max_download_bytes = max_download_bytes
         self.bytes_up = 0  # delta and exchange bodies delivered
@@ -129,7 +126,8 @@ class CoordinatorClient:
         self.sent_bytes = 0  # every request body, retries included (what crossed the wire)
         self.received_bytes = 0  # every answer body, retries included
         self._http = httpx.Client(base_url=base_url, timeout=timeout_s, transport=transport,
-                                  headers={"User-Agent": f"idletrain-worker/api{protocol.API_VERSION}"})
+                                  headers={"User-Agent": f"idletrain-worker/api{api_version}",
+                                           protocol.H_API_VERSION: str(api_version)})
         self.upload_bucket: TokenBucket | None = None
         self.download_bucket: TokenBucket | None = None
         self.meter: Callable[[int], None] | None = None
@@ -175,10 +173,13 @@ class CoordinatorClient:
                 continue
             if code >= 400:
                 try:
-                    detail = resp.json().get("detail", resp.text)
+                    body = resp.json()
                 except ValueError:
-                    detail = resp.text
-                raise CoordinatorError(code, str(detail), retry_after=wait)
+                    body = None
+                body = body if isinstance(body, dict) else None
+                detail = body.get("detail", resp.text) if body is not None else resp.text
+                raise error_for(code, str(detail)[:2000], retry_after=wait, headers=resp.headers, body=body,
+                                api_version=self.api_version)
             return resp
         raise AssertionError("unreachable")
 
@@ -224,19 +225,33 @@ class CoordinatorClient:
     # -- API ------------------------------------------------------------------------------------
 
     def health(self, *, max_retries: int | None = None) -> protocol.Health:
-        """/healthz; `max_retries` lowers the retries for this call (the worker waits in its own loop)."""
-        return protocol.Health.model_validate(self._request("GET", "/healthz", max_retries=max_retries).json())
+        """/healthz; `max_retries` lowers the retries for this call (the worker waits in its own loop).
+        Keeps the upload cap it says (max_upload_bytes)."""
+        resp = self._request("GET", "/healthz", max_retries=max_retries)
+        health = _parse(protocol.Health, resp, "/healthz")
+        self.max_upload_bytes = health.max_upload_bytes
+        return health
 
     def register(self, run: str, req: protocol.RegisterRequest) -> protocol.RegisterResponse:
-        resp = self._request("POST", f"{protocol.API_PREFIX}/runs/{run}/workers", json=req.model_dump())
+        """RunUnavailable when the run does not exist (404) or is over (410); NotAdmitted when the
+        registration itself is refused (its name taken, a key wrong)."""
+        with _run_refusal(run):
+            try:
+                resp = self._request("POST", f"{protocol.API_PREFIX}/runs/{run}/workers", json=req.model_dump())
+            except CoordinatorError as exc:
+                if exc.status in (400, 409, 422):
+                    raise NotAdmitted(exc.status, exc.detail) from None
+                raise
         return _parse(protocol.RegisterResponse, resp, "registration")
 
     def lease(self, run: str, *, keep: int | None = None) -> tuple[protocol.Lease | None, float]:
         """(lease, 0) or (None, seconds to wait) when there is no work right now. `keep`: the lease
         whose delta is still uploading (asked only of a coordinator that keeps such a lease; others
-        give up every earlier lease of the worker that asks)."""
-        resp = self._request("POST", f"{protocol.API_PREFIX}/runs/{run}/leases",
-                             params={"keep": keep} if keep is not None else None)
+        give up every earlier lease of the worker that asks). RunUnavailable when the run does not
+        exist (404) or is over (410): no lease of it will come."""
+        with _run_refusal(run):
+            resp = self._request("POST", f"{protocol.API_PREFIX}/runs/{run}/leases",
+                                 params={"keep": keep} if keep is not None else None)
         if resp.status_code == 204:
             try:
                 return None, float(resp.headers.get("Retry-After", "2"))
@@ -313,8 +328,18 @@ class CoordinatorClient:
         self._request("DELETE", f"{protocol.API_PREFIX}/leases/{lease_id}", max_retries=1)
 
     def upload_delta(self, lease_id: int, body: bytes) -> protocol.DeltaAccepted:
-        resp = self._request("POST", f"{protocol.API_PREFIX}/leases/{lease_id}/delta", content=body,
-                             headers={"Content-Type": "application/octet-stream"})
+        """UploadTooLarge (naming both sizes) when the body is over the coordinator's cap: refused
+        here, without sending it, when its /healthz said the cap."""
+        cap = self.max_upload_bytes
+        if cap is not None and len(body) > cap:
+            raise UploadTooLarge(413, f"not sent: {len(body)} bytes, over the cap of {cap} bytes its /healthz says",
+                                 limit_bytes=cap, size_bytes=len(body))
+        try:
+            resp = self._request("POST", f"{protocol.API_PREFIX}/leases/{lease_id}/delta", content=body,
+                                 headers={"Content-Type": "application/octet-stream"})
+        except UploadTooLarge as exc:
+            exc.size_bytes = len(body)
+            raise
         self.bytes_up += len(body)
         return _parse(protocol.DeltaAccepted, resp, "acknowledgement")
 
@@ -338,3 +363,18 @@ class CoordinatorClient:
     def status(self, run: str) -> protocol.RunStatus:
         resp = self._request("GET", f"{protocol.API_PREFIX}/runs/{run}/status")
         return protocol.RunStatus.model_validate(resp.json())
+
+    def runs(self, *, state: str = "active") -> list[protocol.RunSummary]:
+        """The coordinator's runs in `state` (a worker following the whole coordinator picks among them)."""
+        resp = self._request("GET", f"{protocol.API_PREFIX}/runs", params={"state": state})
+        try:
+            return [protocol.RunSummary.model_validate(r) for r in resp.json()]
+        except (ValueError, TypeError) as exc:
+            raise invalid_answer("list of runs", exc if isinstance(exc, ValueError) else ValueError(exc)) from None
+
+    def run_config(self, run: str) -> dict:
+        """The run's public config (JSON; the caller validates it)."""
+        body = self._request("GET", f"{protocol.API_PREFIX}/runs/{run}/config").json()
+        if not isinstance(body, dict):
+            raise InvalidAnswer(f"the config of run {run!r} is not a JSON object")
+        return body

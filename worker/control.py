@@ -105,8 +105,8 @@ class WorkerStatus:
     pid: int
     coordinator: str
     run: str
-    state: str  # starting | leasing | downloading | training | uploading | waiting | paused | stopped
-    reason: str = ""  # why paused or waiting
+    state: str  # starting | leasing | downloading | training | uploading | waiting | blocked | paused | stopped
+    reason: str = ""  # why paused, waiting or blocked (blocked: refused until someone acts; it says what to do)
     pause_kind: str = ""  # worker/policy.py's Verdict.kind while paused
     device: str = ""
     lease: int | None = None

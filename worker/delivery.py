@@ -1,10 +1,11 @@
 """A round's delta on its way to the coordinator, and the answer settled.
 
 A finished round's delta is saved first (worker/saver.py) and forgotten once the coordinator
-answered it: an acknowledgement counts the round; a refusal for good (the lease is gone, or a
-saved delta's bytes will never be taken) puts the delta's content back into the trainer's
-residual, so refused work still moves the model later; a transient failure leaves it on disk for
-worker/recovery.py.
+answered it: an acknowledgement counts the round; a refusal of that delta for good (its lease is
+gone, its bytes are refused: client.DELTA_REFUSED) puts the delta's content back into the
+trainer's residual, so refused work still moves the model later; a transient failure, or a
+refusal only someone's action mends (client.Blocked: over the upload cap, a token refused), leaves
+it on disk for worker/recovery.py to deliver once it may.
 
 Overlap (settings.overlap, on by default): the upload runs on a background thread (one at a time:
 a round that ends while the previous upload still runs waits for it) while the worker moves on.
@@ -23,7 +24,8 @@ import httpx
 from shared import codec, protocol
 from shared.algorithms.registry import ALGORITHMS
 from shared.algorithms.compress import delta_to_tensors
-from worker.client import LEASE_LOST, CoordinatorClient, CoordinatorError, is_transient, why
+from worker.client import (DELTA_REFUSED, REDELIVERY_REFUSED, Blocked, CoordinatorClient, CoordinatorError,
+                           is_transient, why)
 from worker.ledger import OwnDeltas
 from worker.progress import Progress
 from worker.saver import Saver
@@ -31,9 +33,6 @@ from worker.state import StateStore
 from worker.trainer import LocalTrainer, RoundResult
 
 log = logging.getLogger(__name__)
-
-# A delta saved before a restart is also dropped on answers that will never change for those bytes.
-REDELIVERY_REFUSED = (400, 403, 404, 409, 410, 413, 422)
 
 
 class Upload:
@@ -77,11 +76,11 @@ class Delivery:
     def deliver(self, lease: protocol.Lease, body: bytes, *,
                 redelivery: bool = False) -> protocol.DeltaAccepted | None:
         """Upload a saved delta; forget it once answered. None when refused for good (its content
-        goes back to the residual); transient failures raise and leave it on disk."""
+        goes back to the residual); transient failures and Blocked refusals raise and leave it on disk."""
         try:
             ack = self.client.upload_delta(lease.lease_id, body)
         except CoordinatorError as exc:
-            if exc.status not in (REDELIVERY_REFUSED if redelivery else LEASE_LOST):
+            if exc.status not in (REDELIVERY_REFUSED if redelivery else DELTA_REFUSED):
                 raise
             log.warning("lease %d: delta refused (%s); taking a new lease", lease.lease_id, why(exc))
             # first: a crash now loses this delta's content, never counts it twice
@@ -126,7 +125,7 @@ class Delivery:
             try:
                 ack = self.client.upload_delta(lease.lease_id, result.body)
             except CoordinatorError as exc:
-                if exc.status not in LEASE_LOST:
+                if exc.status not in DELTA_REFUSED:
                     raise
                 self.saver.forget_unsent(lease.lease_id)  # first: a crash now loses its content, never counts it twice
                 return exc
@@ -171,7 +170,7 @@ class Delivery:
         try:
             self.settle()
         except (httpx.TransportError, CoordinatorError) as exc:
-            if not is_transient(exc):
+            if not (is_transient(exc) or isinstance(exc, Blocked)):
                 raise
             log.warning("lease %d: delta not delivered (%s); it stays on disk and goes first at the next start",
                         up.lease.lease_id, why(exc))

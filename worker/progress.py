@@ -89,8 +89,10 @@ class Progress:
     def __init__(self, *, clock: Callable[[], float] = time.monotonic) -> None:
         self.clock = clock
         self.utilisation = Utilisation()
-        self.phase = "starting"  # starting | leasing | downloading | training | uploading | waiting | stopped
-        self.wait_reason = ""  # while waiting: for work, for the coordinator
+        # starting | leasing | downloading | training | uploading | waiting | blocked | stopped
+        self.phase = "starting"
+        # while waiting: for work, for the coordinator; while blocked: what is refused and what to do
+        self.wait_reason = ""
         self.lease: protocol.Lease | None = None
         self.step = 0
         self.steps = 0
@@ -275,6 +277,8 @@ class RichDisplay:
         grid.add_column()
         if s.state == "paused":
             grid.add_row(Text("⏸ paused", style="yellow bold"), Text(s.reason))
+        elif s.state == "blocked":  # refused until someone acts: the reason says what to do
+            grid.add_row(Text("■ blocked", style="red bold"), Text(s.reason))
         elif s.reason:
             grid.add_row(Text(f"… {s.state}", style="cyan"), Text(s.reason))
         else:

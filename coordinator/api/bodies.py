@@ -13,6 +13,7 @@ from starlette.requests import ClientDisconnect
 
 from coordinator.errors import PayloadTooLarge, RequestTimeout, ServiceError
 from coordinator.storage import ReceivedBody
+from shared import protocol
 
 # the OpenAPI description of a binary request body
 OCTET = {"requestBody": {"required": True, "content": {
@@ -24,6 +25,11 @@ def require_octet_stream(request: Request, what: str) -> None:
     ctype = request.headers.get("content-type", "").split(";")[0].strip()
     if ctype != "application/octet-stream":
         raise ServiceError(f"send {what} as application/octet-stream, not {ctype or 'nothing'}")
+
+
+def _cap_header(cap: int) -> dict[str, str]:
+    """A 413 says the cap it enforced, so a worker can say by how much it is over."""
+    return {protocol.H_MAX_BODY: str(cap)}
 
 
 async def read_capped(request: Request, cap: int, *, stall_s: float | None = None) -> bytes:
@@ -56,7 +62,7 @@ async def _receive(request: Request, sink: Callable[[bytes], object], *, cap: in
     sent so far: 200 slow connections were never timed out)."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > cap:
-        raise PayloadTooLarge(f"body of {declared} bytes exceeds the limit of {cap} bytes")
+        raise PayloadTooLarge(f"body of {declared} bytes exceeds the limit of {cap} bytes", headers=_cap_header(cap))
     size = 0
     stream = request.stream()
     try:
@@ -71,7 +77,7 @@ async def _receive(request: Request, sink: Callable[[bytes], object], *, cap: in
                                      "send it again") from None
             size += len(chunk)
             if size > cap:
-                raise PayloadTooLarge(f"body exceeds the limit of {cap} bytes")
+                raise PayloadTooLarge(f"body exceeds the limit of {cap} bytes", headers=_cap_header(cap))
             sink(chunk)
     except ClientDisconnect:  # the worker went away mid-upload: nothing was received, nothing changes
         raise ServiceError("the upload was cut off before its end; send it again") from None

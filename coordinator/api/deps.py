@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import secrets
 from typing import Annotated
 
@@ -9,9 +10,10 @@ from fastapi import Depends, Path, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.concurrency import run_in_threadpool
 
-from coordinator.errors import Forbidden, Unauthorized
+from coordinator.errors import Forbidden, ServiceError, Unauthorized, UpgradeRequired
 from coordinator.services.common import Caller
 from coordinator.services.coordinator import Coordinator
+from shared import protocol
 
 _bearer = HTTPBearer(auto_error=False, description="a worker token, or the operator's admin token")
 
@@ -48,3 +50,29 @@ def require_admin(request: Request, creds: Credentials) -> None:
 
 
 AdminDep = Annotated[None, Depends(require_admin)]
+
+
+def worker_install() -> str:
+    """What a worker outside the served API range installs: this coordinator's own release."""
+    try:
+        return f"pip install -U 'idletrain=={importlib.metadata.version('idletrain')}'"
+    except importlib.metadata.PackageNotFoundError:  # run from a checkout never installed
+        return "pip install -U idletrain"
+
+
+def served_api(request: Request) -> None:
+    """Every request but /healthz (which says the range): a worker's X-Idletrain-Api must lie in
+    MIN_API_VERSION..API_VERSION, else 426 with the range and what to install. Requests without the
+    header (curl, the operator's commands) are taken as of the current version."""
+    sent = request.headers.get(protocol.H_API_VERSION)
+    if sent is None or request.url.path == "/healthz":
+        return
+    if not (sent.isascii() and sent.isdecimal() and len(sent) <= 6):
+        raise ServiceError(f"{protocol.H_API_VERSION} must be a worker API version number, not {sent[:20]!r}")
+    low, high = protocol.MIN_API_VERSION, protocol.API_VERSION
+    if low <= int(sent) <= high:
+        return
+    install = worker_install()
+    served = f"v{low}" if low == high else f"v{low}..v{high}"
+    raise UpgradeRequired(f"this coordinator serves worker API {served}, not v{int(sent)}: {install}",
+                          extra={"min_api_version": low, "api_version": high, "worker_install": install})

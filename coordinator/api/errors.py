@@ -1,4 +1,5 @@
-"""The one place where errors become HTTP answers: {"detail": "<what was wrong>"}."""
+"""The one place where errors become HTTP answers: {"detail": "<what was wrong>"} (a 426 adds the
+worker API range the coordinator serves and what to install: coordinator/api/deps.py)."""
 
 from __future__ import annotations
 
@@ -38,7 +39,8 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(ServiceError)
     async def _service(_: Request, exc: ServiceError) -> JSONResponse:
-        return JSONResponse({"detail": exc.detail}, status_code=exc.status_code, headers=exc.headers)
+        body = {**getattr(exc, "extra", {}), "detail": exc.detail}  # extra: e.g. a 426's accepted API range
+        return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
 
     # A full disk (a staged delta, a snapshot, a shard, a database commit) is the operator's to fix, not
     # the worker's: 503 + Retry-After, which workers wait out. Whatever failed was not acknowledged (an

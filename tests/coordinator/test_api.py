@@ -12,6 +12,7 @@ import pytest
 import torch
 from sqlalchemy import update
 
+from coordinator.api import deps
 from coordinator.models import Worker
 from coordinator.settings import CoordinatorSettings
 from shared import codec, protocol
@@ -26,7 +27,9 @@ API = protocol.API_PREFIX
 def test_healthz(api):
     resp = api.client.get("/healthz")
     assert resp.status_code == 200
-    assert resp.json() == {"status": "ok", "api_version": protocol.API_VERSION, "keeps_delivering_lease": True}
+    assert resp.json() == {"status": "ok", "api_version": protocol.API_VERSION, "keeps_delivering_lease": True,
+                           "min_api_version": protocol.MIN_API_VERSION, "worker_install": deps.worker_install(),
+                           "max_upload_bytes": api.coordinator.settings.max_upload_bytes}
 
 
 def test_openapi_lists_every_route(api):

@@ -14,7 +14,7 @@ from shared import codec, protocol
 from tests.conftest import schema_of
 from worker import client as client_mod
 from tests.worker.conftest import no_backoff
-from worker.client import CoordinatorClient, CoordinatorError
+from worker.client import CoordinatorClient
 from worker.loop import Worker
 from worker.settings import WorkerSettings
 from worker.state import StateStore, TrainerState
@@ -257,11 +257,19 @@ def test_the_first_ctrl_c_ends_the_wait_for_the_coordinator(api, run, tmp_path):
     assert len(waits) == 3
 
 
-def test_4xx_other_than_lease_loss_still_stops_the_worker(api, run, tmp_path):
+def test_a_refusal_no_retry_mends_waits_instead_of_stopping_the_worker(api, run, tmp_path):
+    """(tests/worker/test_refusals.py has the rest.) A run that is not there: the worker says so and
+    waits; it exits only when stopped, so a service manager does not restart it in a loop."""
     w, _ = make_worker(api, tmp_path, run="no-such-run")
-    with pytest.raises(CoordinatorError) as info:
-        w.run()
-    assert info.value.status in (403, 404)
+    refused = []
+
+    def wait_blocked(exc) -> None:
+        refused.append(exc)
+        w.stop.event.set()
+
+    w.connection.wait_blocked = wait_blocked
+    assert w.run() == 0
+    assert [type(e).__name__ for e in refused] == ["RunUnavailable"] and refused[0].status == 404
 
 
 def test_a_kill_between_saving_the_delta_and_the_state_delivers_without_training_again(api, long_run, tmp_path,

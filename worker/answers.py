@@ -1,0 +1,206 @@
+"""The coordinator's error answers, as the worker acts on them. worker/client.py raises them (and
+re-exports them); the loop, the delivery and the connection act on their kind:
+
+    transient     no connection, a timeout, 408, 429, 5xx: waited for and asked again (is_transient)
+    this delta    a delta refused for good (DELTA_REFUSED: its lease gone, given up or too stale, its
+                  bytes refused): its content goes back to the residual and the worker goes on
+    blocked       asking again cannot help until someone acts (Blocked): the worker says once what
+                  is wrong and what to do, keeps everything it trained (an undelivered delta stays on
+                  disk), and waits, asking the coordinator again every few minutes; it never exits
+
+    CoordinatorError(status, detail, retry_after)   any error answer
+     └── Blocked                                    message(): what is wrong and what to do
+          ├── UploadTooLarge   413: a body over the coordinator's cap (limit_bytes, size_bytes)
+          ├── VersionRefused   426, or a /healthz whose API range leaves this worker out
+          ├── NotAdmitted      401, 403: the token unknown, revoked or banned, the join key wrong;
+          │                    400, 409, 422 to a registration (its name or key refused)
+          ├── RunUnavailable   404, 410 to a lease request or a registration: no such run, or finished
+          └── NotACoordinator  /healthz answered, but not as a coordinator does: --coordinator is wrong
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+
+import httpx
+
+from shared import protocol
+
+LEASE_LOST = (404, 409, 410)  # the lease is gone, delivered otherwise, or too stale: take a new one
+# A delta refused for good: the lease lost, or its bytes refused (400, 422). Its content goes back to the residual.
+DELTA_REFUSED = (400, *LEASE_LOST, 422)
+# A delta saved before a restart is also dropped when its lease is another worker's (a new token since).
+REDELIVERY_REFUSED = (*DELTA_REFUSED, 403)
+
+
+def size_text(n: int) -> str:
+    """A byte count as a person reads it: 71.0 MiB."""
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} bytes"
+
+
+class CoordinatorError(Exception):
+    """The coordinator answered with an error; `detail` says why, `retry_after` (seconds) when it
+    said how long to wait (429, 503)."""
+
+    def __init__(self, status: int, detail: str, retry_after: float | None = None) -> None:
+        super().__init__(f"{status}: {detail}")
+        self.status = status
+        self.detail = detail
+        self.retry_after = retry_after
+
+
+class Blocked(CoordinatorError):
+    """An answer that asking again will not change until someone acts (the operator, the volunteer).
+    `recheck_s`: how long the worker waits before it asks the coordinator again."""
+
+    recheck_s = 600.0
+
+    def message(self) -> str:
+        """One line: what is wrong and what to do."""
+        return f"the coordinator refuses this worker (HTTP {self.status}: {self.detail})"
+
+
+class UploadTooLarge(Blocked):
+    """413: the body is over the coordinator's upload cap. `limit_bytes` from its answer (None when
+    it did not say), `size_bytes` set by the upload that was refused."""
+
+    def __init__(self, status: int, detail: str, *, limit_bytes: int | None, size_bytes: int | None = None,
+                 what: str = "this round's delta") -> None:
+        super().__init__(status, detail)
+        self.limit_bytes, self.size_bytes, self.what = limit_bytes, size_bytes, what
+
+    def message(self) -> str:
+        over = f"over {size_text(self.limit_bytes)}" if self.limit_bytes is not None else "this large"
+        size = f" is {size_text(self.size_bytes)}" if self.size_bytes is not None else ""
+        return (f"the coordinator refuses uploads {over}; {self.what}{size}: ask the operator to raise its upload "
+                "cap (IDLETRAIN_MAX_UPLOAD_BYTES) or to run a smaller model or a stronger compression. The delta "
+                "is kept and delivered once the coordinator takes it; nothing is trained meanwhile")
+
+    def fits(self, limit_bytes: int | None) -> bool:
+        """Whether a coordinator whose cap is now `limit_bytes` (None: not said) may take it."""
+        if limit_bytes is None:
+            return True  # an older coordinator does not say: only an upload tells
+        if self.size_bytes is not None:
+            return self.size_bytes <= limit_bytes
+        return self.limit_bytes is None or limit_bytes > self.limit_bytes
+
+
+class VersionRefused(Blocked):
+    """The coordinator serves workers of API versions min_version..max_version, not this one's."""
+
+    recheck_s = 300.0
+
+    def __init__(self, status: int, detail: str, *, mine: int, min_version: int | None, max_version: int | None,
+                 install: str | None) -> None:
+        super().__init__(status, detail)
+        self.mine, self.min_version, self.max_version, self.install = mine, min_version, max_version, install
+
+    def message(self) -> str:
+        if self.min_version is None or self.max_version is None:
+            accepts = f"refuses worker API v{self.mine} ({self.detail})"
+        else:
+            accepts = (f"accepts worker API v{self.min_version}" + (f"..v{self.max_version}"
+                       if self.max_version != self.min_version else "") + f", this worker speaks v{self.mine}")
+        install = self.install or "pip install -U idletrain"
+        newer = " (this worker is newer: the operator may also upgrade the coordinator)" if (
+            self.max_version is not None and self.mine > self.max_version) else ""
+        return (f"the coordinator {accepts}: install a worker it accepts ({install}; in a checkout: update it and "
+                f"pip install -e .) and start it again{newer}. Waiting, asking again every few minutes")
+
+
+def version_refusal(health: protocol.Health, mine: int) -> VersionRefused | None:
+    """Why a coordinator with this /healthz does not serve a worker of API `mine`, or None. One that
+    does not say its oldest version (older coordinators) serves only its own."""
+    low = getattr(health, "min_api_version", None)  # (getattr: a stand-in for the answer may lack the newer fields)
+    low = health.api_version if low is None else low
+    if low <= mine <= health.api_version:
+        return None
+    return VersionRefused(426, "by its /healthz", mine=mine, min_version=low, max_version=health.api_version,
+                          install=getattr(health, "worker_install", None))
+
+
+class NotAdmitted(Blocked):
+    """401, 403: the coordinator does not know the token, revoked it or banned its worker, or the
+    join key is wrong; 400, 409, 422 to a registration: its name, team or contributor key refused."""
+
+    def message(self) -> str:
+        if self.status == 401:
+            todo = "check --token and --join-key"
+        elif self.status == 403:
+            todo = ("check --join-key and --contributor-key, or ask the operator (a revoked or banned token "
+                    "stays refused)")
+        else:
+            todo = "change --name, --team or --contributor-key and start the worker again"
+        return f"the coordinator does not admit this worker ({self.detail}): {todo}. Waiting, asking again in a while"
+
+
+class NotACoordinator(Blocked):
+    """/healthz answered, but not as an idletrain coordinator does (a 404, a page of HTML)."""
+
+    def __init__(self, url: str, answer: str) -> None:
+        super().__init__(0, answer)
+        self.url = url
+
+    def message(self) -> str:
+        return (f"{self.url} does not answer /healthz as an idletrain coordinator ({self.detail[:300]}): check "
+                "--coordinator (the address, http or https, a proxy's path). Waiting, asking again in a while")
+
+
+class RunUnavailable(Blocked):
+    """404, 410 to a lease request or a registration: the run does not exist here, or is over. A
+    whole-coordinator worker may move on to another run; a worker of one run waits."""
+
+    def __init__(self, status: int, detail: str, *, run: str) -> None:
+        super().__init__(status, detail)
+        self.run = run
+
+    def message(self) -> str:
+        if self.status == 410:
+            return (f"run {self.run!r} finished ({self.detail}); nothing to train: pick another run (--run), or "
+                    "leave --run out to follow whatever the coordinator trains. Waiting, asking again in a while")
+        return (f"run {self.run!r} is not available ({self.detail}): pick another run (--run), or wait for the "
+                "operator to resume it. Waiting, asking again in a while")
+
+
+def error_for(status: int, detail: str, *, retry_after: float | None, headers: Mapping[str, str],
+              body: Mapping | None, api_version: int) -> CoordinatorError:
+    """The exception for an error answer (a Blocked one for 401, 403, 413, 426)."""
+    if status == 413:
+        limit = headers.get(protocol.H_MAX_BODY) or _limit_in(detail)
+        return UploadTooLarge(status, detail, limit_bytes=int(limit) if limit and limit.isdecimal() else None)
+    if status == 426:
+        def number(key: str) -> int | None:
+            value = (body or {}).get(key)
+            return value if isinstance(value, int) and not isinstance(value, bool) else None
+        install = (body or {}).get("worker_install")
+        return VersionRefused(status, detail, mine=api_version, min_version=number("min_api_version"),
+                              max_version=number("api_version"), install=install if isinstance(install, str) else None)
+    if status in (401, 403):
+        return NotAdmitted(status, detail)
+    return CoordinatorError(status, detail, retry_after=retry_after)
+
+
+def _limit_in(detail: str) -> str | None:
+    """The cap an older coordinator's 413 names in its words ("exceeds the limit of N bytes")."""
+    m = re.search(r"limit of (\d{1,19}) bytes", detail)
+    return m.group(1) if m else None
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Whether waiting and asking again may help: no connection, a timeout, 408, 429, 5xx."""
+    if isinstance(exc, httpx.TransportError):
+        return True
+    if isinstance(exc, CoordinatorError) and not isinstance(exc, Blocked):
+        return exc.status in (0, 408, 429) or exc.status >= 500
+    return False
+
+
+def why(exc: BaseException) -> str:
+    """A failure as a log line says it: the coordinator's status and detail, else the exception."""
+    if isinstance(exc, CoordinatorError):
+        return f"HTTP {exc.status}: {exc.detail}"
+    return repr(exc)
