@@ -10,6 +10,8 @@ within one check interval plus one step.
     hold()                 the trainer's gate between local steps: saves the round, then waits in
                            place for at most policy.hold_limit_s() of the lease's remaining time,
                            then lets the round go (RoundSuspended; it resumes from its save)
+    awake()                the context a round runs in: with --keep-awake, the machine's sleep held
+                           off (worker/awake.py), else nothing
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 
 from shared import protocol
+from worker.awake import KeepAwake
 from worker.control import ControlFile
 from worker.host import HostMonitor, HostReading
 from worker.policy import Rules, Verdict, decide, format_duration, hold_limit_s, next_utc_day
@@ -34,7 +37,8 @@ class Governor:
                  monitor: HostMonitor | None = None, check_every_s: float = 2.0,
                  publish: Callable[[], None] = lambda: None, on_resume: Callable[[], None] = lambda: None,
                  clock: Callable[[], float] = time.monotonic,
-                 wall: Callable[[], datetime] = lambda: datetime.now(UTC)) -> None:
+                 wall: Callable[[], datetime] = lambda: datetime.now(UTC),
+                 keep_awake: KeepAwake | None = None) -> None:
         self.rules = rules
         self.control = control
         self.transfer = transfer
@@ -46,6 +50,7 @@ class Governor:
         self.next_round_bytes = 0  # what the last round moved: the daily cap's estimate for the next one
         self.paused: Verdict | None = None  # what holds the worker, while it waits
         self.paused_since: datetime | None = None
+        self._keep_awake = keep_awake if keep_awake is not None else KeepAwake(rules.keep_awake)
         self._reading = HostReading()
         self._noted = False
         self._halt = threading.Event()
@@ -84,12 +89,17 @@ class Governor:
         conditions = self._reading.conditions(
             paused_by_user=self.control.paused(), transfer_today_bytes=self.transfer.used_today(),
             next_round_bytes=0 if in_round else self.next_round_bytes, in_round=in_round,
-            to_next_day_s=(next_utc_day(now) - now).total_seconds())
+            to_next_day_s=(next_utc_day(now) - now).total_seconds(),
+            local_time=now.astimezone() if self.rules.hours is not None else None)
         verdict = decide(self.rules, conditions)
         if verdict.note and not self._noted:
             self._noted = True
             log.warning("%s", verdict.note)
         return verdict
+
+    def awake(self) -> KeepAwake:
+        """`with governor.awake():` around a round, on the thread that trains it."""
+        return self._keep_awake
 
     def _poll_s(self) -> float:
         return min(1.0, self.check_every_s)

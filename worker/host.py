@@ -12,11 +12,14 @@ Where each reading comes from:
                      graphical session at all (a console or ssh-only box), the newest access time
                      of the terminal devices, as `w` reads it. A desktop session the worker cannot
                      ask (no DISPLAY in a systemd service, a Wayland compositor other than GNOME)
-                     gives None, and the policy falls back on CPU load.
-    battery          Linux: /sys/class/power_supply/*/{type,online,status,scope}; macOS: `pmset -g batt`.
+                     gives None, and the policy falls back on CPU load. Windows: GetLastInputInfo
+                     against GetTickCount64 (worker/windows.py, ctypes).
+    battery          Linux: /sys/class/power_supply/*/{type,online,status,scope}; macOS: `pmset -g batt`;
+                     Windows: GetSystemPowerStatus.
     CPU load         Linux: /proc/stat between two samples, less this process's own CPU time
                      (os.times), so the worker's training does not count as the machine being busy.
                      Elsewhere: os.getloadavg()'s 1-minute average per CPU, less this process's share.
+                     Windows has neither: no CPU-load fallback there (GetLastInputInfo is read instead).
 
 Every probe is bounded (2 s per command) and any failure reads as "cannot tell" (None).
 """
@@ -255,6 +258,10 @@ def system_readers(*, platform: str | None = None, environ: Mapping[str, str] | 
             return parse_pmset_on_battery(text) if text is not None else None
 
         readers.user_idle_s, readers.on_battery = idle, battery
+    elif platform == "win32":
+        from worker import windows
+
+        readers.user_idle_s, readers.on_battery = windows.user_idle_reader(), windows.battery_reader()
     return readers
 
 

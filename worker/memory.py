@@ -2,6 +2,8 @@
 
 The pure core (`default_max_params`, `round_bytes`, `lease_too_big`, `download_cap_bytes`) takes
 memory sizes as numbers, so it is tested with made-up machines; `probe()` reads this machine's.
+`worker_max_params` is the one limit the worker runs under: --max-params, else the default from this
+machine's memory, and under --max-memory (a volunteer's own cap in bytes) in either case.
 A lease's model is sized on the meta device (shared.model.meta_schema) and checked here before
 anything of it is downloaded, built or allocated.
 """
@@ -126,15 +128,38 @@ def lease_too_big(cfg: ModelConfig, *, batch_size: int, max_params: int) -> str 
     fits). The model is sized on the meta device: nothing is allocated, however large it claims to be."""
     n = sum(math.prod(shape) for shape in meta_schema(cfg).values())
     if n > max_params:
-        return (f"its model has {n:,} parameters, above this worker's limit of {max_params:,} (--max-params; "
-                f"the default comes from this machine's memory)")
+        return (f"its model has {n:,} parameters, above this worker's limit of {max_params:,} (--max-params or "
+                f"--max-memory; the default comes from this machine's memory)")
     need, budget = round_bytes(n, cfg, batch_size=batch_size), budget_bytes(max_params)
     if need > budget:
         return (f"a round of its model at batch {batch_size} x context {cfg.context} needs about "
                 f"{need / 1e9:.1f} GB ({n:,} parameters plus activations), above the {budget / 1e9:.1f} GB this "
-                f"worker's limit of {max_params:,} parameters allows (raise --max-params if this machine "
-                f"holds it)")
+                f"worker's limit of {max_params:,} parameters allows (raise --max-params or --max-memory if "
+                f"this machine holds it)")
     return None
+
+
+def params_within(max_memory_bytes: int) -> int:
+    """The largest cap whose round budget (budget_bytes) stays within `max_memory_bytes`: leases are
+    refused and micro-batches picked (worker/fit.py) by that budget, so a round stays within it."""
+    m = max(1, int(max_memory_bytes * PARAM_SHARE) // BYTES_PER_PARAM)
+    while m > 1 and budget_bytes(m) > max_memory_bytes:  # float rounding
+        m -= 1
+    return m
+
+
+def worker_max_params(max_params: int | None, max_memory_bytes: int | None, probe_memory) -> int:
+    """The worker's limit: `max_params` (--max-params), else default_max_params(probe_memory()), and
+    no more than params_within(max_memory_bytes) (--max-memory) when that is set. Says once, in the
+    log, where the limit comes from."""
+    limit = max_params if max_params is not None else default_max_params(probe_memory())
+    source = "--max-params" if max_params is not None else "this machine's available memory"
+    if max_memory_bytes is not None and params_within(max_memory_bytes) < limit:
+        limit, source = params_within(max_memory_bytes), f"--max-memory {max_memory_bytes / 1e9:.1f} GB"
+    if source != "--max-params":
+        log.info("training models of up to %s parameters (from %s; --max-params or --max-memory set another "
+                 "limit)", f"{limit:,}", source)
+    return limit
 
 
 def min_max_params(cfg: ModelConfig, *, batch_size: int) -> int:

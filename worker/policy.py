@@ -11,6 +11,8 @@ and makes the worker wait. The first reason that applies wins, in this order:
               shard are paid for, and a delta held until tomorrow would be stale, so a round
               started under the cap is finished and delivered (a day may overshoot the cap by
               that round's upload and, for sparta, its exchanges)
+    hours     outside the --hours windows by the local clock (worker/hours.py): between rounds
+              and inside one, like idleness ending
     battery   on battery and --on-battery pause
     active    --when idle and someone used the keyboard or mouse less than --idle-minutes ago
     busy      --when idle, no input idle time to go by, and other processes kept the CPUs busy
@@ -26,6 +28,8 @@ from __future__ import annotations
 import dataclasses
 from datetime import UTC, datetime, timedelta
 from typing import Literal
+
+from worker.hours import Hours, allowed, next_start
 
 When = Literal["always", "idle"]
 OnBattery = Literal["pause", "run"]
@@ -44,6 +48,8 @@ class Rules:
     on_battery: OnBattery = "run"
     max_other_load: float = 0.3  # share of all CPUs other processes may use while the machine counts as idle
     daily_transfer_bytes: int | None = None  # None: no cap
+    hours: Hours | None = None  # --hours: when in the week training is allowed (None: any time)
+    keep_awake: bool = False  # --keep-awake: hold off the machine's sleep while a round runs (worker/awake.py)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,12 +65,13 @@ class Conditions:
     next_round_bytes: int = 0  # what starting a round would move (the last round's traffic)
     in_round: bool = False  # asked between two local steps of a round, not before a new one
     to_next_day_s: float = 0.0  # until 00:00 UTC, when the daily cap starts afresh
+    local_time: datetime | None = None  # the machine's wall clock, for --hours (None: not checked)
 
 
 @dataclasses.dataclass(frozen=True)
 class Verdict:
     train: bool
-    kind: str = ""  # "" when training; else user | cap | battery | active | busy
+    kind: str = ""  # "" when training; else user | cap | hours | battery | active | busy
     reason: str = ""  # for people: why not, and what ends it
     note: str = ""  # training, but something worth saying once (an idle test that cannot be made)
 
@@ -77,6 +84,11 @@ def decide(rules: Rules, c: Conditions) -> Verdict:
         need = f", the next round needs ~{_mb(c.next_round_bytes)}" if c.next_round_bytes else ""
         return Verdict(False, "cap", f"daily transfer cap reached ({_mb(c.transfer_today_bytes)} of {_mb(cap)} "
                                      f"today{need}); going on at 00:00 UTC, in {format_duration(c.to_next_day_s)}")
+    if rules.hours is not None and c.local_time is not None and not allowed(rules.hours, c.local_time):
+        at = next_start(rules.hours, c.local_time)
+        day = "" if at.date() == c.local_time.date() else at.strftime("%a ")
+        return Verdict(False, "hours", f"outside the training hours ({rules.hours.text}); going on at "
+                                       f"{day}{at:%H:%M}")
     if rules.on_battery == "pause" and c.on_battery:
         return Verdict(False, "battery", "on battery power (going on when plugged in; --on-battery run trains "
                                          "anyway)")

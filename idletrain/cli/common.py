@@ -1,5 +1,5 @@
 """What every audience's commands share: the one way to fail (a line on stderr, exit 2), the logging
-set-up, and the help texts of the operator's token options."""
+set-up, the check that the server extra is installed, and the help texts of the operator's token options."""
 
 from __future__ import annotations
 
@@ -8,12 +8,17 @@ import sys
 
 from pydantic import ValidationError
 
+from shared.extras import MissingExtra, require
+
 log = logging.getLogger("idletrain")
 
 ADMIN_TOKEN_HELP = "default: $IDLETRAIN_ADMIN_TOKEN, else the token file in --data-dir"
 DATA_DIR_HELP = ("the coordinator's data dir, where `serve` keeps admin_token (default: $IDLETRAIN_DATA_DIR, else "
                  "./idletrain-data)")
 DEFAULT_COORDINATOR = "http://127.0.0.1:8000"
+# What the coordinator imports that a worker-only install (the package without extras) lacks; numba,
+# also in the extra, is optional even there (shared/kernels.py has numpy twins).
+SERVER_MODULES = ("fastapi", "uvicorn", "sqlalchemy", "alembic", "prometheus_client")
 
 
 def setup_logging(level: str) -> None:
@@ -27,6 +32,17 @@ def setup_logging(level: str) -> None:
 def fail(msg: str) -> int:
     print(f"idletrain: {msg}", file=sys.stderr)
     return 2
+
+
+def without_server(command: str) -> int | None:
+    """None when the server extra is installed; else the exit code of `fail` with one line naming
+    `pip install 'idletrain[server]'` (for `command`, e.g. "idletrain coordinator serve")."""
+    for module in SERVER_MODULES:
+        try:
+            require(module, "server", purpose=f"`{command}`")
+        except MissingExtra as exc:
+            return fail(f"{exc} (a worker-only install has no coordinator)")
+    return None
 
 
 def describe_validation(exc: ValidationError) -> str:

@@ -15,8 +15,11 @@ BENCH_ELSEWHERE = ("the benchmarks live in the source repository, not in the ins
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    from idletrain.cli.common import without_server
     from idletrain.demo import run_demo
 
+    if (missing := without_server("idletrain demo")) is not None:
+        return missing
     return run_demo(workers=args.workers, minutes=args.minutes, as_json=args.json, keep=args.keep)
 
 

@@ -10,7 +10,7 @@ import sys
 
 from pydantic import ValidationError
 
-from idletrain.cli.common import describe_validation, fail, log
+from idletrain.cli.common import describe_validation, fail, log, without_server
 
 
 def proxy_options(settings) -> dict:
@@ -37,6 +37,8 @@ def limit_options(settings) -> dict:
 
 
 def cmd_coordinator_serve(args: argparse.Namespace) -> int:
+    if (missing := without_server("idletrain coordinator serve")) is not None:
+        return missing
     import uvicorn
 
     from coordinator.app import NoDelayHTTP, create_app
@@ -98,6 +100,8 @@ def cmd_coordinator_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_coordinator_migrate(args: argparse.Namespace) -> int:
+    if (missing := without_server("idletrain coordinator migrate")) is not None:
+        return missing
     from coordinator import migrate
     from coordinator.db import make_engine
     from coordinator.settings import CoordinatorSettings

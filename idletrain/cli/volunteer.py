@@ -6,16 +6,46 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
+from collections.abc import Callable
 
 import httpx
 from pydantic import ValidationError
 
 from idletrain.cli.common import fail, log
 
-WORKER_FLAGS = ["coordinator", "run", "token", "device", "threads", "state_dir", "name", "team", "join_key",
+WORKER_FLAGS = ["coordinator", "run", "token", "device", "threads", "state_dir", "name", "team", "contributor_key", "join_key",
                 "max_rounds", "max_params", "micro_batch", "precision", "activation_checkpointing",
                 "checkpoint_every_steps", "when", "idle_minutes", "on_battery",
-                "max_other_load", "max_upload_kbps", "max_download_kbps", "daily_transfer_mb"]
+                "max_other_load", "max_upload_kbps", "max_download_kbps", "daily_transfer_mb", "hours",
+                "max_memory", "keep_awake"]
+
+
+def on_terminal() -> bool:
+    """A person at the keyboard: stdin and stdout both a TTY (a service, a pipe or a test has neither)."""
+    return sys.stdin.isatty() and sys.stdout.isatty()
+
+
+def first_run(args: argparse.Namespace, *, tty: Callable[[], bool] | None = None,
+              read: Callable[[str], str] | None = None, write: Callable[[str], None] = print) -> None:
+    """On a terminal (`tty`, default on_terminal), with `when` set nowhere: ask always-or-idle once
+    (`read`, default input) and save it (worker/firstrun.py). The answer also goes into args.when, so
+    it holds even when the file cannot be written."""
+    from worker import firstrun
+    from worker.settings import ENV_PREFIX, config_file, default_config_file
+
+    path = config_file(args.config)  # ValueError: the --config file is missing (the caller says so)
+    if not (tty or on_terminal)() or firstrun.policy_chosen(args.when, os.environ, path, prefix=ENV_PREFIX):
+        return
+    target = path or default_config_file()
+    args.when = firstrun.ask_when(read or input, write)
+    try:
+        firstrun.save_when(target, args.when)
+    except OSError as exc:
+        write(f"Could not save the answer in {target} ({exc}); pass --when {args.when} next time.")
+        return
+    write(f'Saved `when = "{args.when}"` in {target}: edit it there, or pass --when always|idle, to change it.')
 
 
 def cmd_worker_run(args: argparse.Namespace) -> int:
@@ -23,6 +53,7 @@ def cmd_worker_run(args: argparse.Namespace) -> int:
     from worker.settings import describe_errors, load_settings
 
     try:  # flags > IDLETRAIN_WORKER_* > worker.toml > defaults
+        first_run(args)
         settings = load_settings({k: getattr(args, k) for k in WORKER_FLAGS}, config=args.config)
     except ValidationError as exc:
         return fail(describe_errors(exc))
@@ -97,7 +128,9 @@ def register(sub):
                       help="TOML file of worker settings (default ~/.config/idletrain/worker.toml, if it exists)")
     wrun.add_argument("--coordinator", default=None, help="coordinator base URL (required here, in the environment "
                                                           "or in the config file)")
-    wrun.add_argument("--run", default=None, help="the run to train (required, likewise)")
+    wrun.add_argument("--run", default=None, help="the run to train; without it (or with auto) the worker follows the "
+                                                  "coordinator: its active run of highest priority this machine can "
+                                                  "hold, the next one when that one finishes")
     wrun.add_argument("--token", default=None, help="worker token (default: register once, then reuse)")
     wrun.add_argument("--join-key", default=None)
     wrun.add_argument("--device", default=None, choices=["auto", "cpu", "cuda", "mps"])
@@ -105,6 +138,9 @@ def register(sub):
     wrun.add_argument("--state-dir", default=None, help="token and cache (default ~/.config/idletrain)")
     wrun.add_argument("--name", default=None, help="contributor name for the leaderboard")
     wrun.add_argument("--team", default=None)
+    wrun.add_argument("--contributor-key", default=None, metavar="KEY",
+                      help="add this machine under --name, which your first machine claimed: the key that first "
+                           "registration printed")
     wrun.add_argument("--max-rounds", type=int, default=None, help="stop after N delivered rounds")
     wrun.add_argument("--max-params", type=int, default=None,
                       help="refuse runs whose model is larger (default: what this machine's available "
@@ -122,7 +158,8 @@ def register(sub):
                       help="save the round in flight every N local steps so a kill resumes it (default 25; 0: "
                            "only at round end)")
     wrun.add_argument("--when", default=None, choices=["always", "idle"],
-                      help="train always (default), or only while nobody uses the machine")
+                      help="train always, or only while nobody uses the machine (default: asked once on a "
+                           "terminal and saved in worker.toml; always where nobody is asked, as under a service)")
     wrun.add_argument("--idle-minutes", type=float, default=None,
                       help="with --when idle: minutes without input (or CPU load) before training (default 5)")
     wrun.add_argument("--on-battery", default=None, choices=["pause", "run"],
@@ -135,6 +172,16 @@ def register(sub):
     wrun.add_argument("--daily-transfer-mb", type=float, default=None,
                       help="MB sent + received per UTC day (kept across restarts); when reached, pause until "
                            "00:00 UTC")
+    wrun.add_argument("--hours", default=None, metavar="WINDOWS",
+                      help='train only in these local hours: "22:00-07:00", or with days "mon-fri 19:00-08:00, '
+                           'sat-sun 00:00-24:00" (a window belongs to the day it starts on); a round in progress '
+                           "pauses when they end")
+    wrun.add_argument("--max-memory", default=None, metavar="SIZE",
+                      help="the most memory a round may take (6GB, 8GiB; at least 1GiB): larger leases are "
+                           "refused, micro-batches made to fit (default: from this machine's available memory)")
+    wrun.add_argument("--keep-awake", action="store_true", default=None,
+                      help="hold off the machine's sleep while a round runs (caffeinate on macOS, systemd-inhibit "
+                           "on Linux, SetThreadExecutionState on Windows)")
     wrun.set_defaults(func=cmd_worker_run)
     for action, hlp in (("pause", "pause the worker(s) on this machine at the next local step (saved first)"),
                         ("resume", "let paused worker(s) on this machine go on"),

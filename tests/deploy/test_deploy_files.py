@@ -200,7 +200,7 @@ def test_dockerfile_installs_the_cpu_torch_pinned_inside_the_projects_range(dock
     assert project_runs and project_runs[0] > torch_runs[0], "the project must come after the CPU torch"
 
 
-def test_dockerfile_copies_every_package_and_installs_the_postgres_extra(dockerfile):
+def test_dockerfile_copies_every_package_and_installs_the_server_and_postgres_extras(dockerfile):
     instructions = [i for s in dockerfile[1] for i in s.instructions]
     sources = {src.rstrip("/") for w, rest in instructions if w == "COPY" and not rest.startswith("--from")
                for src in shlex.split(rest)[:-1]}
@@ -208,10 +208,12 @@ def test_dockerfile_copies_every_package_and_installs_the_postgres_extra(dockerf
     assert packages | {"pyproject.toml", PYPROJECT["project"]["readme"]} <= sources
     (install,) = [r for w, r in instructions if w == "RUN" and re.search(r"pip install \"?\.\[", r)]
     extras = re.search(r"\.\[([\w,]+)\]", install)[1].split(",")
-    assert "postgres" in extras
+    assert {"server", "postgres"} <= set(extras)  # the coordinator image: fastapi, sqlalchemy... are the extra
     for extra in extras:
         assert extra in PYPROJECT["project"]["optional-dependencies"], f"no extra {extra!r} in pyproject.toml"
     assert any(Requirement(r).name == "psycopg" for r in PYPROJECT["project"]["optional-dependencies"]["postgres"])
+    assert {"fastapi", "sqlalchemy", "alembic", "uvicorn"} <= {
+        Requirement(r).name for r in PYPROJECT["project"]["optional-dependencies"]["server"]}
     # .dockerignore keeps local state and secrets out of the context, but not what the image needs.
     patterns = [p.strip() for p in (REPO / ".dockerignore").read_text().splitlines()
                 if p.strip() and not p.startswith("#")]

@@ -54,7 +54,7 @@ def test_a_model_over_the_cap_is_named_with_its_size_and_the_flag():
     cfg = ModelConfig(n_layer=48, n_head=26, d_model=1664, context=1024)
     why = memory.lease_too_big(cfg, batch_size=1, max_params=128_571_428)
     assert why == (f"its model has {cfg.n_params():,} parameters, above this worker's limit of 128,571,428 "
-                   "(--max-params; the default comes from this machine's memory)")
+                   "(--max-params or --max-memory; the default comes from this machine's memory)")
 
 
 def test_the_download_cap_is_the_largest_snapshot_the_cap_allows_or_a_shard():
