@@ -18,5 +18,14 @@ here when this folder is importable.
     utilisation.py         `utilisation`: the share of wall time a real worker computes, overlap off/on
     utilisation_report.py  utilisation's results.md and utilisation.png
     models.py              `models`: bytes vs BPE, GPT vs Llama-style, the same training bytes, bits per byte
+    wallclock.py           `wallclock`: loss against simulated wall-clock over home links, ddp (fp32, int8,
+                           PowerSGD) vs one worker alone vs the default vs the best compressed rows; the run
+    wallclock_ddp.py       wallclock's ddp with compressed gradients (int8 or PowerSGD, error feedback)
+    wallclock_clock.py     wallclock's clock: a run's loss-against-tokens curve put on simulated seconds
+    wallclock_report.py    wallclock's numbers (time to targets, loss at equal time, captured gain), outputs
+    links.py               the link model: bytes -> seconds, ring all-reduce, ddp's and the worker's overlap
+    powersgd.py            PowerSGD rank-r gradient compression with error feedback (Vogels et al. 2019)
     numbers.py             rounding of reported numbers (significant digits, percentiles)
+    sizing.py              docs/sizing.md's table: memory, disk, bandwidth per model size and round, from
+                           the code's estimators (`python -m bench.sizing` prints it; a test compares)
 """
