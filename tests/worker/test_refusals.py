@@ -160,9 +160,10 @@ def test_a_newer_coordinator_that_still_serves_the_worker_works(api, run, tmp_pa
     assert worker.run() == 1
 
 
-def test_426_mid_run_waits_until_the_coordinator_serves_the_worker_again(api, run, tmp_path, monkeypatch, caplog):
+def test_426_mid_run_waits_until_the_coordinator_serves_the_worker_again(api, run, tmp_path, caplog):
     """The coordinator stops serving this worker's version while it runs (426 to its registration),
     then serves it again: the worker waits, then trains and delivers."""
+    upgrade = pytest.MonkeyPatch()  # its own: undoing it must keep the quick rechecks
     worker, transport = make_worker(api, tmp_path)
     mine = worker.client.api_version
     real = worker.client.health
@@ -172,16 +173,18 @@ def test_426_mid_run_waits_until_the_coordinator_serves_the_worker_again(api, ru
         answer = real(**kw)
         if not started.is_set():  # the worker passed its start check: the coordinator is upgraded
             started.set()
-            monkeypatch.setattr(protocol, "MIN_API_VERSION", mine + 1)
-            monkeypatch.setattr(protocol, "API_VERSION", mine + 1)
+            upgrade.setattr(protocol, "MIN_API_VERSION", mine + 1)
+            upgrade.setattr(protocol, "API_VERSION", mine + 1)
         return answer
 
     worker.client.health = health
-    thread, out = start(worker)
-    until(lambda: worker.status().state == "blocked")
-    assert f"this worker speaks v{mine}" in worker.status().reason
-    assert transport.posts() == [f"{protocol.API_PREFIX}/runs/t/workers"]  # its registration was answered 426
-    monkeypatch.undo()  # the operator rolls back
+    try:
+        thread, out = start(worker)
+        until(lambda: worker.status().state == "blocked")
+        assert f"this worker speaks v{mine}" in worker.status().reason
+        assert transport.posts() == [f"{protocol.API_PREFIX}/runs/t/workers"]  # its registration was answered 426
+    finally:
+        upgrade.undo()  # the operator rolls back
     thread.join(60)
     assert out == {"rounds": 1}
 
