@@ -6,24 +6,17 @@ import json
 
 import numpy as np
 import pytest
-import torch
 
 from bench.convergence import PROFILES, methods_for, plot, result_row, write_markdown
 from bench.sim import Method, Setup, ddp_bytes_per_worker, run_method, speeds_for
-from shared.config import CompressionConfig, InnerConfig, OuterConfig
-from shared.model import ModelConfig, build_model, count_params
-
-TINY = ModelConfig(n_layer=1, n_head=2, d_model=16, context=16)
+from shared.config import CompressionConfig, OuterConfig
+from shared.model import build_model, count_params
+from tests.bench.conftest import TINY, tiny_setup
 
 
 @pytest.fixture(scope="module")
 def setup() -> Setup:
-    rng = np.random.default_rng(0)
-    text = np.frombuffer(b"the quick brown fox jumps over the lazy dog. " * 400, dtype=np.uint8)
-    noise = rng.integers(0, 256, 2000, dtype=np.uint8)
-    return Setup(model=TINY, inner=InnerConfig(lr=1e-2, warmup_steps=2, batch_size=4), workers=3,
-                 steps_per_worker=8, train=torch.from_numpy(np.concatenate([text, noise])),
-                 eval=torch.from_numpy(text[:2000].copy()), eval_points=2)
+    return tiny_setup(8)
 
 
 def test_ddp_counts_dense_gradients_both_ways(setup):

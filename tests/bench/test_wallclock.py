@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
 import torch
 
@@ -16,20 +15,13 @@ from bench.wallclock import LR_FACTORS, run
 from bench.wallclock_clock import Compute, RowTraffic, curve_on_links
 from bench.wallclock_ddp import run_compressed_ddp
 from bench.wallclock_report import captured, loss_at, time_to
-from shared.config import InnerConfig
-from shared.model import ModelConfig, build_model, count_params
-
-TINY = ModelConfig(n_layer=1, n_head=2, d_model=16, context=16)
+from shared.model import build_model, count_params
+from tests.bench.conftest import TINY, tiny_setup
 
 
 @pytest.fixture(scope="module")
 def setup() -> Setup:
-    rng = np.random.default_rng(0)
-    text = np.frombuffer(b"the quick brown fox jumps over the lazy dog. " * 400, dtype=np.uint8)
-    noise = rng.integers(0, 256, 2000, dtype=np.uint8)
-    return Setup(model=TINY, inner=InnerConfig(lr=1e-2, warmup_steps=2, batch_size=4), workers=3,
-                 steps_per_worker=6, train=torch.from_numpy(np.concatenate([text, noise])),
-                 eval=torch.from_numpy(text[:2000].copy()), eval_points=2)
+    return tiny_setup(6)
 
 
 def test_powersgd_is_exact_for_a_low_rank_mean():

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from worker import connection, downloads, loop
 
@@ -15,12 +14,8 @@ def no_backoff(monkeypatch) -> None:
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """These models are tiny: one torch thread beats two on a shared 2-core machine by far."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+def one_thread(one_torch_thread):
+    """These models are tiny: every worker test trains in one torch thread (tests/conftest.py)."""
 
 
 # The worker tests reach the in-process coordinator as http://coordinator.test (a name that is plainly

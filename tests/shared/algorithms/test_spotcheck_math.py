@@ -23,12 +23,7 @@ WORDS = ("the of and to in is that for it with as was on be by this are def retu
          "true false if else while").split()
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def shard(i: int) -> torch.Tensor:
