@@ -46,6 +46,14 @@ class Merger:
         self._thread.start()
         self.coord.spotchecks.start()  # the replay spot-checks run where the merging does
 
+    def _settle(self, rt: RunRuntime) -> None:
+        """One run's lifecycle step; its failure (a full disk under the final export) is logged and
+        tried again a second later, and holds back neither merging nor the other runs."""
+        try:
+            self.coord.lifecycle.settle(rt)
+        except Exception:
+            log.exception("run %s: finishing failed; trying again", rt.config.name)
+
     def stop(self, timeout: float = 30.0, *, checkpoint: bool = True) -> None:
         """Stop merging; checkpoint each run (not when this process lost the merger lock: another
         process merges now, and the database, not this memory, is what counts)."""
@@ -74,7 +82,7 @@ class Merger:
                 if time.monotonic() - last_expiry > 1.0:
                     self.coord.leases.expire()
                     for rt in self.coord.live.runtime_list():  # a run done training finishes (lifecycle.py)
-                        self.coord.lifecycle.settle(rt)
+                        self._settle(rt)
                     last_expiry = time.monotonic()
                 if not worked:  # idle: what merging held back, or a full disk kept from being written
                     for rt in self.coord.live.runtime_list():

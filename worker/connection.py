@@ -97,7 +97,7 @@ class Connection:
             return True
         try:
             health = self.client.health(max_retries=0)
-        except (httpx.TransportError, CoordinatorError) as err:
+        except (httpx.TransportError, CoordinatorError, InvalidAnswer) as err:
             log.info("coordinator %s not answering (%s); still waiting", self.settings.coordinator, why(err))
             return False
         if isinstance(exc, VersionRefused):

@@ -68,22 +68,10 @@ def record(c: Connection, check_id: int, *, verdict: str, cosine: float | None, 
         at=at)).rowcount == 1
 
 
-def of_worker(c: Connection, worker_id: int) -> dict[str, int]:
-    """The worker's checks by verdict: {"pending": n, "passed": n, ...} (verdicts with none left out)."""
-    return {v: int(n) for v, n in c.execute(select(SpotCheck.verdict, func.count()).where(
-        SpotCheck.worker_id == worker_id).group_by(SpotCheck.verdict))}
-
-
 def by_run(c: Connection, run_id: int) -> dict[int, dict[str, int]]:
-    """of_worker for every worker of a run with a check: {worker_id: {verdict: n}}."""
+    """Each worker of a run with a check, its checks by verdict: {worker_id: {verdict: n}}."""
     out: dict[int, dict[str, int]] = {}
     for worker_id, verdict, n in c.execute(select(SpotCheck.worker_id, SpotCheck.verdict, func.count()).where(
             SpotCheck.run_id == run_id).group_by(SpotCheck.worker_id, SpotCheck.verdict)):
         out.setdefault(worker_id, {})[verdict] = int(n)
     return out
-
-
-def last_failed(c: Connection, worker_id: int) -> Row | None:
-    """(cosine, norm_ratio, reason, at) of the worker's newest failed check."""
-    return c.execute(select(SpotCheck.cosine, SpotCheck.norm_ratio, SpotCheck.reason, SpotCheck.at).where(
-        SpotCheck.worker_id == worker_id, SpotCheck.verdict == "failed").order_by(SpotCheck.id.desc()).limit(1)).first()

@@ -134,11 +134,11 @@ class LeaseService:
         self.workers.check_throttle(c, worker, cfg)
         if keep is not None:
             owned(lease_rows.owner(c, keep), keep, worker)
-        # the asker's own earlier leases are given up by this request, but for the one it keeps
-        live = run_rows.live_leases(c, run.id, besides_worker=worker.id) + (keep is not None)
-        if left is not None and budget_left(run, cfg, live) <= 0:
-            c.commit()
-            return None
+        if left is not None:  # the asker's own earlier leases are given up by this request, but for the one it keeps
+            live = run_rows.live_leases(c, run.id, besides_worker=worker.id) + (keep is not None)
+            if budget_left(run, cfg, live) <= 0:
+                c.commit()
+                return None
         return cfg
 
     def _finishing(self, c: Connection, run: Row, why: str) -> None:

@@ -17,7 +17,9 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import threading
 import time
+import uuid
 from datetime import timedelta
 
 from pydantic import ValidationError
@@ -69,6 +71,8 @@ class LifecycleService:
     def __init__(self, db: Database, storage: Storage, *, live: LiveRuns, recovery: RecoveryService,
                  reports: ReportService) -> None:
         self.db, self.storage, self.live, self.recovery, self.reports = db, storage, live, recovery, reports
+        self._finishing: dict[int, threading.Lock] = {}  # run id -> held while its run is finalized
+        self._finishing_guard = threading.Lock()
 
     # -- the operator's -----------------------------------------------------------------------
 
@@ -141,13 +145,29 @@ class LifecycleService:
             next_seq = run_rows.by_id(c, run.id).next_seq
         if out or next_seq - 1 > rt.version:  # leases out, or deltas not merged yet
             return False
-        return self.finalize(rt, next_seq=next_seq)
+        return self.finalize(rt, next_seq=next_seq, wait=False)
 
-    def finalize(self, rt: RunRuntime, *, next_seq: int) -> bool:
+    def finalize(self, rt: RunRuntime, *, next_seq: int, wait: bool = True) -> bool:
         """The final evaluation, snapshot, checkpoint and export; then the run is finished and its
         live model let go. False when a late delta was acknowledged meanwhile (`next_seq` moved: an
         expired lease may deliver while its shard is not leased again): the merger merges it, and the
-        next settle finishes the run."""
+        next settle finishes the run. One thread at a time per run (the merger's settle and an
+        operator's archive may both get here): `wait=False` gives up at once when another is at it,
+        `wait=True` waits, and finds the run finished when the other thread finished it."""
+        with self._finishing_guard:
+            lock = self._finishing.setdefault(rt.run_id, threading.Lock())
+        if not lock.acquire(blocking=wait):
+            return False
+        try:
+            with self.db.read() as c:
+                run = run_rows.by_id(c, rt.run_id)
+            if run is None or run.state != "finishing":
+                return run is not None and run.state == "finished"
+            return self._finalize(rt, next_seq=next_seq)
+        finally:
+            lock.release()
+
+    def _finalize(self, rt: RunRuntime, *, next_seq: int) -> bool:
         t0 = time.monotonic()
         point = self.reports.evaluate(rt)
         self.recovery.snapshot_newest(rt)
@@ -247,7 +267,7 @@ class LifecycleService:
         try:
             self.live.remove(run.id)
             root = self.storage.blobs.root / self.storage.run_dir(run.id)
-            doomed = root.with_name(f"{root.name}.deleting")
+            doomed = root.with_name(f"{root.name}.deleting-{uuid.uuid4().hex[:8]}")  # an earlier one may be left
             if root.exists():
                 root.rename(doomed)  # at once: nothing reads or writes a half-deleted run
             try:
