@@ -24,7 +24,8 @@ _ABANDON_OTHERS = (update(Lease).where(Lease.worker_id == bindparam("worker"), L
                    .returning(Lease.id, Lease.shard_id))
 _FREE_SHARD = update(Shard).where(Shard.id == bindparam("shard"), Shard.state == "leased",
                                   unheld(bindparam("shard"))).values(state="pending")
-_END = update(Lease).where(Lease.id == bindparam("lease")).values(state=bindparam("new_state"))
+# only a live lease ends: one delivered between a caller's read and this write stays delivered
+_END = update(Lease).where(Lease.id == bindparam("lease"), Lease.state == "active").values(state=bindparam("new_state"))
 _SHARD_STATES = select(Shard.state, func.count()).where(Shard.run_id == bindparam("run")).group_by(Shard.state)
 # the lease hands out the newest version with a snapshot on disk; its seed follows from its id
 _INSERT = (insert(Lease).values(run_id=bindparam("run"), worker_id=bindparam("worker"),
