@@ -130,17 +130,16 @@ def targets(fuzz_app, corpus_dir) -> Targets:
     newer lease, revoked it, paused its run) does not hide the next one's paths."""
     tg = Targets(corpus=str(corpus_dir), tokens={"admin": ADMIN_TOKEN, "garbage": "x" * 43})
     with schemathesis_asgi.get_client(fuzz_app) as client:
-        for run, algorithm in RUNS.items():
+        for run in RUNS:
             # a fuzzed finish, archive or delete ends a run for good: such a run is made again
             got = client.get(f"{API}/runs/{run}/status")
             if got.status_code == 404 or got.json().get("state") in ("finishing", "finished", "archived"):
-                if got.status_code != 404:
-                    gone = client.delete(f"{API}/runs/{run}", params={"force": "true"}, headers=_bearer(ADMIN_TOKEN))
-                    assert gone.status_code == 200, gone.text
-                made = client.post(f"{API}/runs", json=_run_config(run, algorithm, fuzz_app.state.fuzz_corpus),
-                                   headers=_bearer(ADMIN_TOKEN))
-                assert made.status_code == 201, made.text
+                _remake(client, fuzz_app, run, exists=got.status_code != 404)
             client.post(f"{API}/runs/{run}/resume", headers=_bearer(ADMIN_TOKEN))  # a fuzzed pause
+            # a fuzzed PATCH may have set a budget its leases out already spend (204 to every lease request)
+            reset = client.patch(f"{API}/runs/{run}", json={"token_budget": None, "epochs": 0},
+                                 headers=_bearer(ADMIN_TOKEN))
+            assert reset.status_code == 200, reset.text
         for key, run in (("worker", "t"), ("other_run_worker", "u"), ("revoked", "t"), ("spare", "t")):
             # the module's app lives on: a name is claimed once per run, then joined with its key
             resp = client.post(f"{API}/runs/{run}/workers", json={"name": key, "contributor_key": f"fuzz-{key}"})
@@ -148,6 +147,11 @@ def targets(fuzz_app, corpus_dir) -> Targets:
             tg.tokens[key] = resp.json()["token"]
             if key in ("worker", "other_run_worker"):
                 lease = client.post(f"{API}/runs/{run}/leases", headers=_bearer(tg.tokens[key]))
+                if lease.status_code == 204:  # every shard held by earlier operations' leases: a fresh run
+                    _remake(client, fuzz_app, run, exists=True)
+                    resp = client.post(f"{API}/runs/{run}/workers", json={"name": key, "contributor_key": f"fuzz-{key}"})
+                    tg.tokens[key] = resp.json()["token"]
+                    lease = client.post(f"{API}/runs/{run}/leases", headers=_bearer(tg.tokens[key]))
                 assert lease.status_code == 200, lease.text
                 tg.leases.append(lease.json()["lease_id"])
             if key == "spare":
@@ -158,6 +162,16 @@ def targets(fuzz_app, corpus_dir) -> Targets:
                     s.get(Worker, worker_id).revoked = True
                     s.commit()
     return tg
+
+
+def _remake(client, app, run: str, *, exists: bool) -> None:
+    """The run made again from its config: a fuzzed finish, archive or delete ended it for good."""
+    if exists:
+        gone = client.delete(f"{API}/runs/{run}", params={"force": "true"}, headers=_bearer(ADMIN_TOKEN))
+        assert gone.status_code == 200, gone.text
+    made = client.post(f"{API}/runs", json=_run_config(run, RUNS[run], app.state.fuzz_corpus),
+                       headers=_bearer(ADMIN_TOKEN))
+    assert made.status_code == 201, made.text
 
 
 def _operations() -> list[tuple[str, str]]:
