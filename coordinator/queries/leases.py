@@ -134,9 +134,12 @@ def past_deadline(c: Connection, now: datetime) -> list[Row]:
         Lease.state == "active", Lease.deadline <= now)))
 
 
-def live_count(c: Connection, run_id: int) -> int:
-    return c.scalar(select(func.count()).select_from(Lease).where(Lease.run_id == run_id,
-                                                                  Lease.state == "active")) or 0
+def live_count(c: Connection, run_id: int, *, besides_worker: int | None = None) -> int:
+    """The run's leases still out (state active, whatever their deadline), but those of `besides_worker`."""
+    query = select(func.count()).select_from(Lease).where(Lease.run_id == run_id, Lease.state == "active")
+    if besides_worker is not None:
+        query = query.where(Lease.worker_id != besides_worker)
+    return c.scalar(query) or 0
 
 
 def live_base_versions(c: Connection, run_id: int) -> set[int]:

@@ -7,7 +7,7 @@ from collections.abc import Collection
 
 from datetime import datetime
 
-from sqlalchemy import Connection, Row, Table, bindparam, delete, func, insert, select, update
+from sqlalchemy import Connection, Row, Table, bindparam, delete, insert, select, update
 
 from coordinator.models import Base, Lease, Run, Shard
 
@@ -136,14 +136,6 @@ def mark_finished(c: Connection, run_id: int, at: datetime, *, next_seq: int) ->
     was `next_seq`; False otherwise (a late delivery came in: merge it first) or when it was not finishing."""
     return bool(c.execute(update(Run).where(Run.id == run_id, Run.state == "finishing", Run.next_seq == next_seq)
                           .values(state="finished", finished_at=at, finish_by=None)).rowcount)
-
-
-def live_leases(c: Connection, run_id: int, *, besides_worker: int | None = None) -> int:
-    """The run's leases still out (state active, whatever their deadline), but those of `besides_worker`."""
-    query = select(func.count()).select_from(Lease).where(Lease.run_id == run_id, Lease.state == "active")
-    if besides_worker is not None:
-        query = query.where(Lease.worker_id != besides_worker)
-    return c.scalar(query) or 0
 
 
 def _rows_of(table: Table, run_id: int):

@@ -135,7 +135,7 @@ class LeaseService:
         if keep is not None:
             owned(lease_rows.owner(c, keep), keep, worker)
         if left is not None:  # the asker's own earlier leases are given up by this request, but for the one it keeps
-            live = run_rows.live_leases(c, run.id, besides_worker=worker.id) + (keep is not None)
+            live = lease_rows.live_count(c, run.id, besides_worker=worker.id) + (keep is not None)
             if budget_left(run, cfg, live) <= 0:
                 c.commit()
                 return None

@@ -216,7 +216,7 @@ class LifecycleService:
         out is finished first (its final evaluation, checkpoint and export)."""
         with self.db.read() as c:
             run = named_run(run_rows.by_name(c, run_name), run_name)
-            out = run_rows.live_leases(c, run.id)
+            out = lease_rows.live_count(c, run.id)
         if run.state == "paused":
             if out:
                 raise Conflict(f"run {run_name!r} is paused with {out} lease(s) still out: `idletrain run finish "
