@@ -20,6 +20,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from bench.moments import MomentSchedule, MomentSync
 from shared import codec
 from shared.algorithms import sparta, sync
 from shared.algorithms.compress import compress_with_feedback
@@ -42,6 +43,7 @@ class Setup:
     eval: torch.Tensor  # (M,) uint8
     eval_points: int = 12
     seed: int = 0
+    device: str = "cpu"  # where the replicas train and evaluate (compression, merging and the wire stay on the CPU)
 
     @property
     def total_steps(self) -> int:
@@ -72,6 +74,10 @@ class Method:
     # diloco: a round starts only once every worker's previous delta is merged (synchronous DiLoCo, the
     # reference for the asynchronous merge; what idletrain never does, since a worker would wait)
     barrier: bool = False
+    # diloco: each worker's H scaled by its speed, so every worker's round takes the same time (Async
+    # Local-SGD's dynamic local steps, arXiv 2401.09135); False: every worker takes H steps a round
+    dynamic_h: bool = False
+    moments: MomentSchedule = MomentSchedule()  # diloco: DES-LOC's averaging of AdamW states (bench/moments.py)
 
 
 @dataclasses.dataclass
@@ -89,7 +95,7 @@ class Result:
 
 class _Evaluator:
     def __init__(self, setup: Setup) -> None:
-        self.model = build_model(setup.model)
+        self.model = build_model(setup.model).to(setup.device)
         self.tokens = setup.eval
 
     def __call__(self, params: dict[str, torch.Tensor]) -> float:
@@ -105,7 +111,7 @@ def run_ddp(setup: Setup, method: Method) -> Result:
     """One model on the combined batch (what averaging every gradient every step amounts to)."""
     t0 = time.perf_counter()
     inner = setup.inner.model_copy(update={"batch_size": setup.inner.batch_size * setup.workers})
-    model = build_model(setup.model, seed=setup.seed)
+    model = build_model(setup.model, seed=setup.seed).to(setup.device)
     opt = make_optimizer(model, inner)
     gen = torch.Generator().manual_seed(setup.seed)
     evaluate = _Evaluator(setup)
@@ -143,11 +149,12 @@ def run_alone(setup: Setup, method: Method) -> Result:
 
 class _Replica:
     def __init__(self, setup: Setup, i: int, init: dict[str, torch.Tensor]) -> None:
-        self.model = build_model(setup.model, seed=setup.seed)
+        self.model = build_model(setup.model, seed=setup.seed).to(setup.device)
         set_params(self.model, init)
         self.opt = make_optimizer(self.model, setup.inner)
         self.gen = torch.Generator().manual_seed(setup.seed * 1000 + i + 1)
         self.steps = 0
+        self.rounds = 0  # rounds trained (diloco)
         self.residual: dict[str, torch.Tensor] = {}
         self.bytes_up = 0
         self.bytes_down = 0
@@ -245,6 +252,8 @@ def run_diloco(setup: Setup, method: Method, *, on_merge: Callable[[int], None] 
     version = 0
     replicas = [_Replica(setup, i, init) for i in range(setup.workers)]
     speeds = speeds_for(setup.workers, method.speed_spread)
+    local = local_steps(method, speeds)
+    moments = MomentSync(method.moments) if method.moments.active else None
     evaluate = _Evaluator(setup)
     budget = setup.total_steps * setup.tokens_per_step
     tokens_started = 0
@@ -268,14 +277,15 @@ def run_diloco(setup: Setup, method: Method, *, on_merge: Callable[[int], None] 
         # the coordinator's rule (coordinator/services/leases.py): the schedule's position is the tokens
         # delivered so far, not those still being trained in other workers' open rounds
         lr = _lr(setup, tokens_merged)
-        r.train(setup, method.H, lr)
-        tokens_started += method.H * setup.tokens_per_step
+        r.train(setup, local[i], lr)
+        r.rounds += 1
+        tokens_started += local[i] * setup.tokens_per_step
         pg = pseudo_gradient(base, get_params(r.model))
         delta, r.residual = compress_with_feedback(pg, r.residual, method.compression, base_version=version,
                                                    round_seed=setup.seed * 100_003 + i * 7 + r.steps)
         body = codec.encode(delta)
         r.bytes_up += len(body)
-        heapq.heappush(heap, (now + method.H / speeds[i], i, version, body, method.H * setup.tokens_per_step))
+        heapq.heappush(heap, (now + local[i] / speeds[i], i, version, body, local[i] * setup.tokens_per_step))
 
     waiting: list[int] = []  # barrier: workers done with this round
     for i in range(setup.workers):
@@ -290,6 +300,8 @@ def run_diloco(setup: Setup, method: Method, *, on_merge: Callable[[int], None] 
         tokens_merged += tokens
         if on_merge:
             on_merge(version)
+        if moments:  # the round is over in simulated time: its AdamW state is the one it ended with
+            moments.round_done(i, replicas[i])
         if tokens_merged >= next_eval or (not heap and tokens_started >= budget):
             curve.append((tokens_merged, evaluate(published(state, method.outer))))
             next_eval += budget / setup.eval_points
@@ -324,6 +336,14 @@ def run_method(setup: Setup, method: Method) -> Result:
     raise ValueError(f"unknown method kind {method.kind!r}")
 
 
+def local_steps(method: Method, speeds: tuple[float, ...]) -> tuple[int, ...]:
+    """Each worker's local steps a round: H, or with dynamic_h H scaled by speed / mean speed (at least 1)."""
+    if not method.dynamic_h:
+        return (method.H,) * len(speeds)
+    mean = sum(speeds) / len(speeds)
+    return tuple(max(1, round(method.H * s / mean)) for s in speeds)
+
+
 def ddp_bytes_per_worker(setup: Setup) -> float:
     """Dense fp32 gradients up and down every step, for one worker."""
     return 2 * 4 * count_params(build_model(setup.model)) * setup.steps_per_worker
@@ -336,4 +356,4 @@ def speeds_for(workers: int, spread: float) -> tuple[float, ...]:
     return tuple(float(spread ** (i / (workers - 1))) for i in range(workers))
 
 
-__all__ = ["Method", "Result", "Setup", "ddp_bytes_per_worker", "run_method", "speeds_for"]
+__all__ = ["Method", "Result", "Setup", "ddp_bytes_per_worker", "local_steps", "run_method", "speeds_for"]
