@@ -4,7 +4,10 @@ here when this folder is importable.
 
     __main__.py            the command line: one subcommand per benchmark, its options checked
     convergence.py         `convergence`: DDP vs DiLoCo vs SPARTA vs compressed, same tokens
+    convergence_long.py    `convergence --profile long`: replicas 1-8 at 100 rounds, captured gain, algorithms
+    convergence_long_report.py  the long profile's results.md and loss.png (a panel per replica count)
     sim.py                 the in-process simulator of N workers that convergence runs
+    moments.py             the simulator's DES-LOC: AdamW states averaged across workers every few rounds
     averaging.py           `averaging`: where averaging AdamW workers loses against ddp, against oracles
     merge.py               `merge`: merges/s stage by stage against a bare index_add_ bound; the run,
                            the deltas' model sizes, and (g) Merger.step on a SQLite coordinator
@@ -22,6 +25,8 @@ here when this folder is importable.
                            PowerSGD) vs one worker alone vs the default vs the best compressed rows; the run
     wallclock_ddp.py       wallclock's ddp with compressed gradients (int8 or PowerSGD, error feedback)
     wallclock_clock.py     wallclock's clock: a run's loss-against-tokens curve put on simulated seconds
+    wallclock_long.py      `wallclock --profile long`: the long convergence profile's curves on the clocks
+    wallclock_reclock.py   `wallclock --reclock DIR`: an earlier run's curves on new links or a new step time
     wallclock_report.py    wallclock's numbers (time to targets, loss at equal time, captured gain), outputs
     links.py               the link model: bytes -> seconds, ring all-reduce, ddp's and the worker's overlap
     powersgd.py            PowerSGD rank-r gradient compression with error feedback (Vogels et al. 2019)

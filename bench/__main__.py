@@ -23,16 +23,71 @@ def cmd_bench_convergence(args: argparse.Namespace) -> int:
     if not _can_plot():
         return fail("the benchmark plots with matplotlib: pip install -e '.[bench]' (in a source checkout)")
     from bench.convergence import PROFILES, run
+    from bench.convergence_long import LONG_PROFILES
 
-    if args.profile not in PROFILES:
-        return fail(f"unknown profile {args.profile!r}: pick one of {', '.join(sorted(PROFILES))}")
+    if args.profile not in PROFILES and args.profile not in LONG_PROFILES:
+        return fail(f"unknown profile {args.profile!r}: pick one of {', '.join(sorted([*PROFILES, *LONG_PROFILES]))}")
+    if args.jobs < 1:
+        return fail("--jobs must be at least 1")
+    if args.profile in LONG_PROFILES:
+        return _convergence_long(args)
     if args.workers < 2:
         return fail("--workers must be at least 2")
     if args.hetero < 1:
         return fail("--hetero is the fastest worker's speed over the slowest's: 1 or more")
+    if PROFILES[args.profile].device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            return fail(f"the {args.profile} profile trains on a CUDA device and torch sees none here: run it on a "
+                        "machine with one (and a CUDA build of torch)")
     out = Path(args.out or f"bench-results/convergence-{args.profile}")
     rows = run(profile=args.profile, out=out, workers=args.workers, hetero=args.hetero, only=args.only,
                threads=args.threads)
+    print((out / "results.md").read_text())
+    print(f"wrote {out / 'results.json'}, {out / 'results.md'}, {out / 'loss.png'}")
+    return 0 if rows else 1
+
+
+def _wallclock_reclock(args: argparse.Namespace, command: str) -> int:
+    from bench.wallclock_reclock import run
+
+    source = Path(args.reclock)
+    if not args.step_ms:
+        return fail("--reclock charges the step time you give: add --step-ms MS (one worker step, measured on a quiet "
+                    "machine)")
+    if not (source / "results.json").exists():
+        return fail(f"no wallclock results in {source}: --reclock takes the folder of an earlier `bench wallclock` run")
+    out = Path(args.out or f"{source}-reclocked")
+    command = command.replace(f"--profile {args.profile} ", "") + f" --reclock {source}"
+    result = run(source=source, out=out, step_ms=args.step_ms, up_mbps=tuple(args.up_mbps),
+                 down_ratio=args.down_ratio, rtt_ms=args.rtt_ms, hetero=args.hetero,
+                 coordinator_mbps=args.coordinator_mbps or None, command=command)
+    print((out / "results.md").read_text())
+    print(f"wrote {out / 'results.json'}, {out / 'results.md'}, {out / 'wallclock.png'}")
+    return 0 if result["rows"] else 1
+
+
+def _wallclock_long(args: argparse.Namespace, out: Path, command: str) -> int:
+    from bench.wallclock_long import run
+
+    source = Path(args.source or "bench-results/convergence-long")
+    if not (source / "results.json").exists():
+        return fail(f"no long convergence results in {source}: run `python -m bench convergence --profile long "
+                    f"--out {source}` first (hours on 2 cores), or pass --from DIR")
+    result = run(source=source, out=out, up_mbps=tuple(args.up_mbps), down_ratio=args.down_ratio, rtt_ms=args.rtt_ms,
+                 hetero=args.hetero, coordinator_mbps=args.coordinator_mbps or None, step_ms=args.step_ms,
+                 command=f"{command} --from {source}")
+    print((out / "results.md").read_text())
+    print(f"wrote {out / 'results.json'}, {out / 'results.md'}, {out / 'wallclock.png'}")
+    return 0 if result["rows"] else 1
+
+
+def _convergence_long(args: argparse.Namespace) -> int:
+    from bench.convergence_long import run
+
+    out = Path(args.out or f"bench-results/convergence-{args.profile}")
+    rows = run(profile=args.profile, out=out, jobs=args.jobs, keep=args.keep, only=args.only)
     print((out / "results.md").read_text())
     print(f"wrote {out / 'results.json'}, {out / 'results.md'}, {out / 'loss.png'}")
     return 0 if rows else 1
@@ -156,8 +211,8 @@ def cmd_bench_wallclock(args: argparse.Namespace) -> int:
         return fail("the benchmark plots with matplotlib: pip install -e '.[bench]' (in a source checkout)")
     from bench.wallclock import PROFILES, run
 
-    if args.profile not in PROFILES:
-        return fail(f"unknown profile {args.profile!r}: pick one of {', '.join(PROFILES)}")
+    if args.profile not in PROFILES and args.profile != "long":
+        return fail(f"unknown profile {args.profile!r}: pick one of {', '.join([*PROFILES, 'long'])}")
     if args.workers is not None and args.workers < 2:
         return fail("--workers must be at least 2")
     if not args.up_mbps or min(args.up_mbps) <= 0 or args.down_ratio <= 0 or args.rtt_ms < 0:
@@ -174,6 +229,10 @@ def cmd_bench_wallclock(args: argparse.Namespace) -> int:
                + (f" --workers {args.workers}" if args.workers else "")
                + (f" --threads {args.threads}" if args.threads else "")
                + (f" --step-ms {args.step_ms:g}" if args.step_ms else ""))
+    if args.reclock:
+        return _wallclock_reclock(args, command)
+    if args.profile == "long":
+        return _wallclock_long(args, out, command)
     result = run(profile=args.profile, out=out, workers=args.workers, up_mbps=tuple(args.up_mbps),
                  down_ratio=args.down_ratio, rtt_ms=args.rtt_ms, hetero=args.hetero,
                  coordinator_mbps=args.coordinator_mbps or None, rank=args.rank, threads=args.threads,
@@ -185,7 +244,9 @@ def cmd_bench_wallclock(args: argparse.Namespace) -> int:
 
 def _convergence_parser(sub) -> None:
     conv = sub.add_parser("convergence", help="ddp vs diloco vs sparta vs compressed, same tokens, side by side")
-    conv.add_argument("--profile", default="quick", help="quick (< 10 min on 2 cores) or full (< 60 min)")
+    conv.add_argument("--profile", default="quick", help="quick (< 10 min on 2 cores), full (< 60 min), long "
+                                                         "(replicas 1-8, 100 rounds: hours on 2 cores, see --jobs) "
+                                                         "or gpu (25M parameters on one CUDA device, < 8 min)")
     conv.add_argument("--out", default=None, help="output folder (default bench-results/convergence-PROFILE)")
     conv.add_argument("--workers", type=int, default=8)
     conv.add_argument("--hetero", type=float, default=1.0,
@@ -193,6 +254,10 @@ def _convergence_parser(sub) -> None:
     conv.add_argument("--only", nargs="*", default=None, help="run only methods whose name contains one of these "
                                                               "(ddp always runs: it is the reference)")
     conv.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    conv.add_argument("--jobs", type=int, default=2, help="long profile: rows trained at once, one process and one "
+                                                          "torch thread each")
+    conv.add_argument("--keep", action="store_true", help="long profile: keep the rows already in OUT/results.json "
+                                                          "and train only the missing ones (resume)")
     conv.set_defaults(func=cmd_bench_convergence)
 
 
@@ -291,7 +356,9 @@ def _wallclock_parser(sub) -> None:
     wall = sub.add_parser("wallclock", help="loss against simulated wall-clock over home links: ddp (fp32, int8, "
                                               "PowerSGD), one worker alone, the default, the best compressed rows")
     wall.add_argument("--profile", default="quick", help="tiny (seconds), quick (4 workers, 80 steps: 10-20 min on one "
-                                                         "core, by the load) or default (8 workers, 160 steps: 4x that)")
+                                                         "core, by the load), default (8 workers, 160 steps: 4x that) "
+                                                         "or long (clocks `convergence --profile long`'s curves: "
+                                                         "no training, see --from)")
     wall.add_argument("--out", default=None, help="output folder (default bench-results/wallclock-PROFILE)")
     wall.add_argument("--workers", type=int, default=None, help="workers (default: the profile's)")
     wall.add_argument("--up-mbps", type=float, nargs="+", default=[10.0, 100.0, 1000.0],
@@ -308,6 +375,12 @@ def _wallclock_parser(sub) -> None:
     wall.add_argument("--step-ms", type=float, default=None, help="one worker step's compute, ms, charged to every "
                                                                    "row (default: the fastest of 20 timed here)")
     wall.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+    wall.add_argument("--reclock", default=None, metavar="DIR",
+                      help="train nothing: put the curves of an earlier run's DIR/results.json on these links, "
+                           "charging --step-ms per step (default output DIR-reclocked)")
+    wall.add_argument("--from", dest="source", default=None,
+                      help="long profile: the `bench convergence --profile long` output whose curves it clocks "
+                           "(default bench-results/convergence-long)")
     wall.set_defaults(func=cmd_bench_wallclock)
 
 

@@ -35,6 +35,9 @@ class Profile:
     # rows that only the quick profile affords: DiLoCo's published outer optimiser, and the int8 row
     # without the look-ahead (the A/B of OuterConfig.lookahead) and with a barrier (synchronous DiLoCo)
     extra_rows: bool = False
+    batch_size: int = 16  # sequences per worker step
+    device: str = "cpu"  # "cuda": the replicas train on one CUDA device (the gpu profile)
+    rows: tuple[str, ...] = ()  # only the rows whose name contains one of these (and ddp); () = all
 
 
 PROFILES = {
@@ -45,6 +48,13 @@ PROFILES = {
     # 250 steps x 8 workers x 8 methods (and one lone worker) is what fits the hour on 2 cores.
     "full": Profile(ModelConfig(), steps_per_worker=250, corpus_max_bytes=16 << 20, eval_tokens=1 << 16,
                     lr=2e-3, warmup_steps=25, H=50),
+    # For a session lent one CUDA device (never needed by the tests): 25.5M parameters (8 layers, width
+    # 512, context 256), 8 workers of 16 sequences, 400 steps each (13.1M tokens), H=100, four rows.
+    # Sized for < 8 min on one H100/H200-class device: the replicas train on it, compression and merging
+    # stay on the CPU as in the real worker and coordinator.
+    "gpu": Profile(ModelConfig(n_layer=8, n_head=8, d_model=512, context=256), steps_per_worker=400,
+                   corpus_max_bytes=32 << 20, eval_tokens=1 << 17, lr=1e-3, warmup_steps=40, H=100,
+                   device="cuda", rows=("alone", "(default)", "int8+EF")),
 }
 
 
@@ -151,13 +161,18 @@ def run(*, profile: str = "quick", out: Path = Path("bench-results/convergence")
     if threads:
         torch.set_num_threads(threads)
     p = PROFILES[profile]
+    if p.device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise RuntimeError(f"the {profile} profile trains on a CUDA device, and torch sees none here")
+        torch.set_float32_matmul_precision("high")  # TF32 matmuls: the weights and AdamW stay fp32
     corpus = load_corpus(max_bytes=p.corpus_max_bytes)
-    setup = Setup(model=p.model, inner=InnerConfig(lr=p.lr, warmup_steps=p.warmup_steps), workers=workers,
-                  steps_per_worker=p.steps_per_worker, train=torch.from_numpy(corpus.train),
-                  eval=torch.from_numpy(corpus.eval[: p.eval_tokens]))
+    setup = Setup(model=p.model, inner=InnerConfig(lr=p.lr, warmup_steps=p.warmup_steps, batch_size=p.batch_size),
+                  workers=workers, steps_per_worker=p.steps_per_worker, train=torch.from_numpy(corpus.train),
+                  eval=torch.from_numpy(corpus.eval[: p.eval_tokens]), device=p.device)
     methods = methods_for(p, workers=workers, hetero=hetero)
-    if only:
-        methods = [m for m in methods if m.name == "ddp" or any(o in m.name for o in only)]
+    for names in (p.rows, only):
+        if names:
+            methods = [m for m in methods if m.name == "ddp" or any(o in m.name for o in names)]
     out.mkdir(parents=True, exist_ok=True)
     dense = ddp_bytes_per_worker(setup) / 2
     results: list[Result] = []
@@ -172,6 +187,7 @@ def run(*, profile: str = "quick", out: Path = Path("bench-results/convergence")
     rows = [result_row(r, ddp=ddp, dense_bytes=dense) for r in results]
     n_params = count_params(build_model(p.model))
     meta = {"profile": profile, "workers": workers, "hetero_speed_spread": hetero, "n_params": n_params,
+            "device": torch.cuda.get_device_name() if p.device.startswith("cuda") else "cpu",
             "steps_per_worker": p.steps_per_worker, "tokens_per_method": setup.total_steps * setup.tokens_per_step,
             "total_wall_s": round(time.perf_counter() - t0, 1), "torch_threads": torch.get_num_threads()}
     (out / "results.json").write_text(json.dumps(rows, indent=1) + "\n")

@@ -99,8 +99,10 @@ def write_markdown(results: dict, path: Path) -> None:
              f"`{m['command']}`", "",
              f"{m['workers']} workers, {m['n_params']:,} parameters, {m['tokens_per_row']:,} tokens per row, "
              f"one worker step {m['step_s'] * 1000:.1f} ms (calibrated once, every row charged it; "
-             f"{m['torch_threads']} torch thread(s)); lr sweep x{', x'.join(f'{f:g}' for f in m['lr_factors'])} "
-             f"of each row's tuned lr, the best kept. Target losses: {t[0]} (one worker alone's final), "
+             f"{m['torch_threads']} torch thread(s)); "
+             + m.get("lr_note", f"lr sweep x{', x'.join(f'{f:g}' for f in m['lr_factors'])} of each row's tuned lr, "
+                                "the best kept")
+             + f". Target losses: {t[0]} (one worker alone's final), "
              f"{t[1]} (halfway), {t[2]} (ddp's final). Captured gain = (alone - row) / (alone - ddp).", "",
              "| row | best lr (final loss per lr) | final loss | captured gain, equal tokens | up / worker | "
              "down / worker |", "|---|---|---|---|---|---|"]

@@ -1,0 +1,231 @@
+"""`python -m bench convergence --profile long`: the regime of the published parity results.
+
+DiLoCo's scaling-law study (arXiv 2503.09799, Table 4) compares M replicas with data-parallel at
+equal tokens, at >= 20 tokens per parameter and hundreds of outer rounds. The quick and full profiles
+give each worker 4-5 rounds, too few for outer momentum to matter and too short for eight workers'
+data to show. Here every row trains the same tokens (`worker_steps` local steps of `batch` sequences,
+split over the row's workers), and for every replica count M in `replicas`:
+
+- ddp: one model on the M workers' combined batch (M x batch sequences a step),
+- one worker alone: the same steps as each of the M workers, 1/M of the tokens, nothing sent,
+- the default: asynchronous DiLoCo exactly as bench/sim.py runs the coordinator's rule,
+
+and at the largest M the algorithms measured against the default (`algorithm_methods`). A row's
+captured gain is (alone - row) / (alone - ddp) at its M: the share of what M workers' data gives a
+single worker that the row keeps. Rows run in `jobs` processes (one torch thread each); the losses do
+not depend on jobs or load, only the wall times do.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import json
+import logging
+import time
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import get_context
+from pathlib import Path
+
+import torch
+
+from bench.moments import MomentSchedule
+from bench.sim import Method, Result, Setup, ddp_bytes_per_worker, run_method
+from shared.config import CompressionConfig, InnerConfig, OuterConfig, RunConfig
+from shared.data import load_corpus
+from shared.model import ModelConfig, build_model, count_params
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class LongProfile:
+    model: ModelConfig
+    batch: int  # sequences per worker step
+    worker_steps: int  # local steps of all workers together: M workers take worker_steps / M each
+    H: int  # local steps per round of the default
+    replicas: tuple[int, ...]
+    lr: float
+    warmup_steps: int
+    corpus_max_bytes: int
+    eval_tokens: int
+    eval_points: int = 20
+
+
+LONG_PROFILES = {
+    # 72,000 parameters, 256 tokens a step; 8 workers take 6,400 steps each: 100 rounds of H=64, 13.1M
+    # tokens (182 per parameter). One row is 51,200 steps of one worker: ~8 min on one idle core.
+    "long": LongProfile(ModelConfig(n_layer=2, n_head=4, d_model=48, context=64), batch=4, worker_steps=51_200,
+                        H=64, replicas=(1, 2, 4, 8), lr=3e-3, warmup_steps=50, corpus_max_bytes=16 << 20,
+                        eval_tokens=1 << 15),
+    # the tests' profile: seconds
+    "long-tiny": LongProfile(ModelConfig(n_layer=1, n_head=2, d_model=16, context=16), batch=2, worker_steps=48,
+                             H=3, replicas=(1, 2, 4), lr=1e-2, warmup_steps=2, corpus_max_bytes=1 << 16,
+                             eval_tokens=1 << 11, eval_points=3),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+    profile: str
+    replicas: int
+    method: Method
+    lr_factor: float = 1.0  # the profile's lr times this (the ddp baseline's sweep)
+
+
+def default_method(p: LongProfile, workers: int) -> Method:
+    d = RunConfig(name="defaults")
+    return Method(f"diloco H={p.H} int4+EF, int4 down (default)", "diloco", H=p.H, compression=d.compression,
+                  outer=d.outer.model_copy(update={"group": workers}), update_values=d.update_values)
+
+
+def algorithm_methods(p: LongProfile, workers: int) -> list[Method]:
+    """What the literature says captures more, each against the default at the same M and tokens."""
+    default = default_method(p, workers)
+    outer = default.outer
+    rows = [dataclasses.replace(default, name=f"Nesterov 0.9, outer lr {lr:g}",
+                                outer=outer.model_copy(update={"lr": lr, "momentum": 0.9})) for lr in (0.4, 0.7, 1.0)]
+    if "warmup" in OuterConfig.model_fields:  # the merge rule's outer lr warm-up
+        rows.append(dataclasses.replace(default, name="Nesterov 0.9, outer lr 0.7, warm-up 10 rounds",
+                                        outer=outer.model_copy(update={"lr": 0.7, "momentum": 0.9, "warmup": 10})))
+    rows += [
+        dataclasses.replace(default, name="DES-LOC: second moments averaged every 6 rounds",
+                            moments=MomentSchedule(second=6)),
+        dataclasses.replace(default, name="DES-LOC: first moments every 3 rounds, second every 6",
+                            moments=MomentSchedule(first=3, second=6)),
+    ]
+    if "int2" in CompressionConfig.model_fields["values"].annotation.__args__:  # SparseLoCo's 2-bit values
+        sparse = CompressionConfig(index="topk", fraction=0.02, values="int2", error_feedback=True,
+                                   feedback_decay=0.95)
+        rows.append(dataclasses.replace(default, name="SparseLoCo: top-2% int2, EF decay 0.95, outer lr 1 no momentum",
+                                        compression=sparse, outer=outer.model_copy(update={"lr": 1.0, "momentum": 0.0})))
+    rows += [
+        dataclasses.replace(default, name="default, speeds 1-4x", speed_spread=4.0),
+        dataclasses.replace(default, name="dynamic H (H x speed / mean), speeds 1-4x", speed_spread=4.0, dynamic_h=True),
+    ]
+    return rows
+
+
+def tasks_for(profile: str, *, algorithms: bool = True) -> list[Task]:
+    p = LONG_PROFILES[profile]
+    tasks = []
+    for m in p.replicas:
+        tasks.append(Task(profile, m, Method("ddp", "ddp")))
+        if m > 1:
+            tasks.append(Task(profile, m, Method(f"1 worker alone (1/{m} of the tokens)", "alone")))
+        tasks.append(Task(profile, m, default_method(p, m)))
+    top = max(p.replicas)
+    tasks.append(Task(profile, top, Method("ddp, lr x2", "ddp"), lr_factor=2.0))
+    if algorithms:
+        tasks += [Task(profile, top, m) for m in algorithm_methods(p, top)]
+    return tasks
+
+
+@functools.lru_cache(maxsize=2)
+def _corpus(max_bytes: int):
+    return load_corpus(max_bytes=max_bytes)
+
+
+def setup_for(p: LongProfile, replicas: int, lr_factor: float = 1.0) -> Setup:
+    corpus = _corpus(p.corpus_max_bytes)
+    inner = InnerConfig(lr=p.lr * lr_factor, warmup_steps=p.warmup_steps, batch_size=p.batch)
+    return Setup(model=p.model, inner=inner, workers=replicas, steps_per_worker=p.worker_steps // replicas,
+                 train=torch.from_numpy(corpus.train), eval=torch.from_numpy(corpus.eval[: p.eval_tokens]),
+                 eval_points=p.eval_points)
+
+
+def run_task(task: Task, *, threads: int | None) -> Result:
+    """One row, with `threads` torch threads (None: as set)."""
+    if threads:
+        torch.set_num_threads(threads)
+    return run_method(setup_for(LONG_PROFILES[task.profile], task.replicas, task.lr_factor), task.method)
+
+
+def train(task: Task) -> Result:
+    """One row in a pool process: one torch thread, so `jobs` rows share the cores."""
+    return run_task(task, threads=1)
+
+
+def key(replicas: int, method: str) -> str:
+    return f"M={replicas}: {method}"
+
+
+def row_for(task: Task, r: Result, *, dense_bytes: float) -> dict:
+    moved = r.bytes_up_per_worker + r.bytes_down_per_worker
+    return {"replicas": task.replicas, "method": task.method.name, "kind": task.method.kind,
+            "lr": LONG_PROFILES[task.profile].lr * task.lr_factor, "eval_loss": round(r.eval_loss, 4),
+            "bytes_up_per_worker": int(r.bytes_up_per_worker), "bytes_down_per_worker": int(r.bytes_down_per_worker),
+            "traffic_reduction_vs_ddp": round(dense_bytes / moved, 1) if moved and task.method.kind != "ddp" else None,
+            "merges": r.merges, "wall_s": round(r.wall_s, 1),
+            "curve": [[int(t), round(loss, 4)] for t, loss in r.curve]}
+
+
+def add_gains(rows: list[dict]) -> None:
+    """Per replica count: each row's loss over ddp's and its captured gain (alone - row) / (alone - ddp),
+    ddp being the best of its lr sweep (no baseline tuned down)."""
+    for m in {r["replicas"] for r in rows}:
+        group = [r for r in rows if r["replicas"] == m]
+        ddp = min((r for r in group if r["kind"] == "ddp"), key=lambda r: r["eval_loss"], default=None)
+        alone = next((r for r in group if r["kind"] == "alone"), None)
+        for r in group:
+            r["loss_ratio_vs_ddp"] = round(r["eval_loss"] / ddp["eval_loss"], 4) if ddp else None
+            gap = alone["eval_loss"] - ddp["eval_loss"] if ddp and alone else 0.0
+            r["captured_gain"] = (round((alone["eval_loss"] - r["eval_loss"]) / gap, 3)
+                                  if gap > 0 and r["kind"] not in ("ddp", "alone") else None)
+
+
+def run(*, profile: str = "long", out: Path = Path("bench-results/convergence-long"), jobs: int = 2,
+        keep: bool = False, only: list[str] | None = None, algorithms: bool = True) -> list[dict]:
+    """Train every task (or those whose name contains one of `only`), reusing rows already in
+    out/results.json when `keep`; write results.json, results.md and loss.png."""
+    from bench.convergence_long_report import plot, write_markdown
+
+    if profile not in LONG_PROFILES:
+        raise ValueError(f"unknown profile {profile!r}: pick one of {sorted(LONG_PROFILES)}")
+    p = LONG_PROFILES[profile]
+    out.mkdir(parents=True, exist_ok=True)
+    done = {key(r["replicas"], r["method"]): r for r in _load(out / "results.json")} if keep else {}
+    tasks = [t for t in tasks_for(profile, algorithms=algorithms)
+             if not only or t.method.kind in ("ddp", "alone") or any(o in t.method.name for o in only)]
+    todo = [t for t in tasks if key(t.replicas, t.method.name) not in done]
+    dense = {m: ddp_bytes_per_worker(setup_for(p, m)) for m in p.replicas}
+    t0 = time.perf_counter()
+    log.info("%d rows to train (%d kept), %d jobs", len(todo), len(tasks) - len(todo), jobs)
+    rows = dict(done)
+    with contextlib.ExitStack() as stack:
+        if jobs > 1:
+            pool = stack.enter_context(ProcessPoolExecutor(max_workers=jobs, mp_context=get_context("spawn")))
+            results = pool.map(train, todo)
+        else:  # in this process (the tests)
+            results = map(functools.partial(run_task, threads=None), todo)
+        for task, result in zip(todo, results):
+            log.info("M=%d %s: eval loss %.4f, %.0f s", task.replicas, task.method.name, result.eval_loss,
+                     result.wall_s)
+            rows[key(task.replicas, task.method.name)] = row_for(task, result, dense_bytes=dense[task.replicas])
+            _save(out, rows, tasks)  # a row is kept as soon as it is trained: an interrupted run resumes with --keep
+    ordered = _save(out, rows, tasks)
+    n_params = count_params(build_model(p.model))
+    setup = setup_for(p, max(p.replicas))
+    meta = {"profile": profile, "n_params": n_params, "replicas": list(p.replicas), "H": p.H,
+            "batch_per_worker": p.batch, "context": p.model.context, "worker_steps": p.worker_steps,
+            "tokens_per_row": setup.total_steps * setup.tokens_per_step,
+            "tokens_per_param": round(setup.total_steps * setup.tokens_per_step / n_params, 1),
+            "rounds_per_worker_at_max_replicas": setup.steps_per_worker // p.H, "jobs": jobs,
+            "rows_trained_now": len(todo), "wall_s": round(time.perf_counter() - t0, 1)}
+    (out / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
+    write_markdown(ordered, meta, out / "results.md")
+    plot(ordered, out / "loss.png", title=f"python -m bench convergence --profile {profile}")
+    return ordered
+
+
+def _load(path: Path) -> list[dict]:
+    return json.loads(path.read_text()) if path.exists() else []
+
+
+def _save(out: Path, rows: dict[str, dict], tasks: list[Task]) -> list[dict]:
+    order = {key(t.replicas, t.method.name): i for i, t in enumerate(tasks)}
+    ordered = sorted(rows.values(), key=lambda r: order.get(key(r["replicas"], r["method"]), len(order)))
+    add_gains(ordered)
+    (out / "results.json").write_text(json.dumps(ordered, indent=1) + "\n")
+    return ordered

@@ -1,0 +1,63 @@
+"""The long convergence profile's results.md and loss.png (bench/convergence_long.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def _fmt(value, spec: str, none: str = "-") -> str:
+    return none if value is None else format(value, spec)
+
+
+def write_markdown(rows: list[dict], meta: dict, path: Path) -> None:
+    lines = [f"# Convergence, profile `{meta['profile']}`", "",
+             f"{meta['n_params']:,} parameters; every row trains {meta['tokens_per_row']:,} tokens "
+             f"({meta['tokens_per_param']:g} per parameter): {meta['worker_steps']:,} local steps of "
+             f"{meta['batch_per_worker']} x {meta['context']} tokens, split over the row's M workers; the default's "
+             f"H = {meta['H']} gives {meta['rounds_per_worker_at_max_replicas']} rounds per worker at "
+             f"M = {max(meta['replicas'])}. Captured gain = (alone - row) / (alone - best ddp) at the same M; "
+             "traffic reduction = ddp's bytes per worker (dense fp32 gradients up and down every step) / the row's.",
+             "", "| M | method | eval loss | x best ddp | captured gain | up / worker | down / worker | "
+             "traffic reduction | merges | wall s |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        gain = _fmt(r.get("captured_gain"), ".0%")
+        reduction = _fmt(r["traffic_reduction_vs_ddp"], ".0f")
+        lines.append(f"| {r['replicas']} | {r['method']} | {r['eval_loss']:.3f} | "
+                     f"{_fmt(r.get('loss_ratio_vs_ddp'), '.3f')} | {gain} | {r['bytes_up_per_worker'] / 1e6:.2f} MB | "
+                     f"{r['bytes_down_per_worker'] / 1e6:.2f} MB | {reduction}{'x' if reduction != '-' else ''} | "
+                     f"{r['merges'] or '-'} | {r['wall_s']:.0f} |")
+    path.write_text("\n".join(lines) + "\n")
+
+
+def plot(rows: list[dict], path: Path, *, title: str) -> None:
+    """One panel per replica count (ddp, alone, default), and one of the algorithms at the largest M."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    counts = sorted({r["replicas"] for r in rows})
+    top = max(counts)
+    base_kinds = {"ddp", "alone"}
+    panels = [(f"M = {m}", [r for r in rows if r["replicas"] == m and (r["kind"] in base_kinds
+                                                                        or r["method"].endswith("(default)"))])
+              for m in counts]
+    panels.append((f"M = {top}: algorithms against the default",
+                   [r for r in rows if r["replicas"] == top and r["kind"] != "alone"]))
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 4.4), sharey=True)
+    lows = [loss for r in rows for _, loss in r["curve"]]
+    finals = [r["curve"][-1][1] for r in rows]
+    for ax, (name, group) in zip(axes, panels):
+        for r in group:
+            t, loss = zip(*r["curve"])
+            ax.plot([x / 1e6 for x in t], loss, linewidth=1.2, label=r["method"])
+        ax.set_title(name, fontsize=9)
+        ax.set_xlabel("tokens trained (millions)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=6)
+    axes[0].set_ylabel("held-out loss (nats/token)")
+    axes[0].set_ylim(min(lows) * 0.97, max(min(lows) * 1.5, max(finals) * 1.05))
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

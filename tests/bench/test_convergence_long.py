@@ -1,0 +1,107 @@
+"""The long convergence profile: replica groups, captured gain, resuming (bench/convergence_long.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import bench.convergence_long as long
+from bench import wallclock_long, wallclock_reclock
+from bench.__main__ import main
+from bench.convergence_long import LONG_PROFILES, add_gains, algorithm_methods, default_method, tasks_for
+from shared.model import build_model, count_params
+
+
+def test_the_long_profile_is_the_regime_the_issue_names():
+    p = LONG_PROFILES["long"]
+    assert p.replicas == (1, 2, 4, 8)
+    assert p.worker_steps // max(p.replicas) // p.H >= 100  # rounds per worker at 8 replicas
+    tokens = p.worker_steps * p.batch * p.model.context
+    assert tokens / count_params(build_model(p.model)) >= 20
+
+
+def test_rows_per_replica_count_and_algorithms_at_the_largest():
+    tasks = tasks_for("long")
+    by_m = {m: [t.method.kind for t in tasks if t.replicas == m] for m in (1, 2, 4, 8)}
+    assert by_m[1] == ["ddp", "diloco"]  # one replica: alone is ddp
+    assert by_m[2] == by_m[4] == ["ddp", "alone", "diloco"]
+    names = [t.method.name for t in tasks if t.replicas == 8]
+    assert any("DES-LOC" in n for n in names) and any("dynamic H" in n for n in names)
+    assert sum("Nesterov 0.9" in n for n in names) >= 3
+    p = LONG_PROFILES["long"]
+    assert all(m.outer.group == 8 for m in algorithm_methods(p, 8))
+    assert default_method(p, 4).outer.group == 4
+
+
+def test_captured_gain_is_measured_against_the_best_ddp():
+    rows = [{"replicas": 8, "method": "ddp", "kind": "ddp", "eval_loss": 2.0},
+            {"replicas": 8, "method": "ddp, lr x2", "kind": "ddp", "eval_loss": 1.9},
+            {"replicas": 8, "method": "alone", "kind": "alone", "eval_loss": 2.3},
+            {"replicas": 8, "method": "d", "kind": "diloco", "eval_loss": 2.06},
+            {"replicas": 1, "method": "d", "kind": "diloco", "eval_loss": 2.0}]
+    add_gains(rows)
+    assert rows[3]["captured_gain"] == pytest.approx(0.6)
+    assert rows[3]["loss_ratio_vs_ddp"] == pytest.approx(2.06 / 1.9, abs=1e-4)
+    assert rows[0]["captured_gain"] is None and rows[4]["captured_gain"] is None  # no alone at M=1
+
+
+@pytest.fixture(scope="module")
+def tiny_long(tmp_path_factory, one_torch_thread):
+    out = tmp_path_factory.mktemp("long")
+    return out, long.run(profile="long-tiny", out=out, jobs=1, algorithms=False)
+
+
+def test_a_tiny_run_writes_every_row(tiny_long):
+    out, rows = tiny_long
+    assert {(r["replicas"], r["kind"]) for r in rows} >= {(1, "ddp"), (2, "alone"), (4, "diloco")}
+    total = rows[0]["curve"][-1][0]
+    for r in rows:  # every row the same tokens; alone 1/M of them
+        assert r["curve"][-1][0] == (total // r["replicas"] if r["kind"] == "alone" else total), r["method"]
+    assert all(r["captured_gain"] is not None for r in rows if r["kind"] == "diloco" and r["replicas"] > 1)
+    assert (out / "loss.png").stat().st_size > 0 and "captured gain" in (out / "results.md").read_text()
+
+
+def test_a_kept_row_is_not_trained_again(tiny_long, tmp_path, monkeypatch):
+    out, rows = tiny_long
+    for name in ("results.json", "meta.json"):
+        (tmp_path / name).write_text((out / name).read_text())
+    monkeypatch.setattr(long, "run_task", lambda *a, **k: pytest.fail("a kept row was trained again"))
+    again = long.run(profile="long-tiny", out=tmp_path, jobs=1, keep=True, algorithms=False)
+    assert [r["eval_loss"] for r in again] == [r["eval_loss"] for r in rows]
+    assert json.loads((tmp_path / "meta.json").read_text())["rows_trained_now"] == 0
+
+
+def test_the_wallclock_long_profile_clocks_the_curves_without_training(tiny_long, tmp_path, monkeypatch):
+    out, rows = tiny_long
+    monkeypatch.setattr(long, "run_task", lambda *a, **k: pytest.fail("nothing is trained"))
+    results = wallclock_long.run(source=out, out=tmp_path, up_mbps=(10.0,), step_ms=5.0)
+    names = [r["row"] for r in results["rows"]]
+    assert names[0] == wallclock_long.DDP and len(results["rows"][0]["runs"]) == 2  # ddp's lr x1 and x2
+    assert any(n.endswith("(default)") for n in names) and any("alone" in n for n in names)
+    home, datacenter = results["panels"]
+    ddp_home = next(r for r in home["rows"] if r["row"] == wallclock_long.DDP)
+    ddp_dc = next(r for r in datacenter["rows"] if r["row"] == wallclock_long.DDP)
+    assert ddp_home["finish_s"] > 10 * ddp_dc["finish_s"]  # fp32 gradients every step over 10 Mbit/s
+    assert (tmp_path / "wallclock.png").stat().st_size > 0
+
+
+def test_reclocking_moves_the_times_and_keeps_the_losses(tiny_long, tmp_path, monkeypatch):
+    out, _ = tiny_long
+    first = wallclock_long.run(source=out, out=tmp_path / "a", up_mbps=(10.0,), step_ms=5.0)
+    again = wallclock_reclock.run(source=tmp_path / "a", out=tmp_path / "b", step_ms=50.0, up_mbps=(10.0,))
+    assert [r["final_loss"] for r in again["rows"]] == [r["final_loss"] for r in first["rows"]]
+    alone = [next(r for r in res["panels"][0]["rows"] if "alone" in r["row"])["finish_s"] for res in (first, again)]
+    assert alone[1] == pytest.approx(10 * alone[0], rel=1e-3)  # compute only: 10x the step, 10x the time
+    assert again["meta"]["step_s"] == 0.05 and "re-clocked" in again["meta"]["step_s_from"]
+    assert main(["wallclock", "--reclock", str(tmp_path / "a")]) == 2  # no --step-ms: refused
+
+
+def test_the_wallclock_long_profile_needs_the_convergence_run_first(tmp_path):
+    with pytest.raises(FileNotFoundError, match="convergence --profile long"):
+        wallclock_long.run(source=tmp_path, out=tmp_path / "out")
+
+
+def test_unknown_profile_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="unknown profile"):
+        long.run(profile="longer", out=tmp_path)
