@@ -333,7 +333,7 @@ def _utilisation_parser(sub) -> None:
                       help="off (worker setting overlap = false), on (overlap, today's coordinator), ahead "
                            "(overlap and the next lease fetched during the upload, against a coordinator patched "
                            "to keep that lease)")
-    util.add_argument("--values", default=None, choices=["fp32", "fp16", "int8", "int4"],
+    util.add_argument("--values", default=None, choices=["fp32", "fp16", "int8", "int4", "int2"],
                       help="the run's delta values (default: a run's default, int4)")
     util.add_argument("--update-values", default=None, choices=["int8", "int4"],
                       help="the run's model-update values (default: a run's default, int4)")

@@ -3,8 +3,12 @@
 A checkpoint is one line with the sha256 of the rest, then a safetensors file: the merge rule's flat
 state exactly as it is in memory (FlatOuter.checkpoint, not materialised, so a restart continues bit
 for bit), the reference round's direction while it is kept, and in its metadata the version, the
-screen's state, the last exchange folded in and the run's config. Checkpoints written before the
-flat form (plain per-tensor tensors) and before per-worker norms (`norm_history`) still load.
+screen's state, the last exchange folded in, the merge rule's counters (deltas in the open group,
+momentum steps done: the outer warm-up's position) and the run's config. Checkpoints written before
+the flat form (plain per-tensor tensors) and before per-worker norms (`norm_history`) still load; one
+written before the momentum-step counter (`groups`) counts version // group steps done: at least as
+many as were, since a version counts every delta judged (merged, rejected or empty) and a step
+takes `group` merged ones, so a warm-up set on such a run errs toward done.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ def write(rt: RunRuntime) -> str:
     if rt.reference_delta is not None:
         tensors["screen/reference"] = rt.reference_delta
     tensors = {k: v.contiguous() for k, v in tensors.items()}
-    meta = {"version": str(rt.version), "in_group": str(rt.outer.in_group),
+    meta = {"version": str(rt.version), "in_group": str(rt.outer.in_group), "groups": str(rt.outer.groups),
             "screen": json.dumps(rt.screen_json()), "last_exchange_id": str(rt.last_exchange_id),
             "config": rt.config.model_dump_json(), **outer_meta}
     # The file in parts straight from the tensors' memory: nothing copied, so the GIL is not held
@@ -74,10 +78,12 @@ def _load(name: str, *, run_id: int, config: RunConfig, storage: Storage) -> Run
     tensors = safetensors.torch.load(raw)
     header_len = int.from_bytes(raw[:8], "little")
     meta = json.loads(raw[8:8 + header_len])["__metadata__"]
+    counters = {"in_group": int(meta["in_group"]),
+                "groups": int(meta["groups"]) if "groups" in meta else int(meta["version"]) // config.outer.group}
     if meta.get("outer_form") == "flat1":
-        state: OuterState | FlatOuter = FlatOuter.from_checkpoint(tensors, meta, in_group=int(meta["in_group"]))
+        state: OuterState | FlatOuter = FlatOuter.from_checkpoint(tensors, meta, **counters)
     else:  # written before the flat form: the plain tensors, converted on load
-        state = OuterState.from_tensors(tensors, in_group=int(meta["in_group"]))
+        state = OuterState.from_tensors(tensors, **counters)
     rt = RunRuntime(run_id=run_id, config=config, storage=storage, state=state, version=int(meta["version"]),
                     norm_history=json.loads(meta.get("norm_history", "[]")),
                     last_exchange_id=int(meta.get("last_exchange_id", "0")),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import importlib.metadata
 
 from shared.errors import IdletrainError
 
@@ -48,6 +49,14 @@ class PayloadTooLarge(ServiceError):
 
 class Unprocessable(ServiceError):
     status_code = 422
+
+
+def worker_install() -> str:
+    """What a worker outside the served API range installs: this coordinator's own release."""
+    try:
+        return f"pip install -U 'idletrain=={importlib.metadata.version('idletrain')}'"
+    except importlib.metadata.PackageNotFoundError:  # run from a checkout never installed
+        return "pip install -U idletrain"
 
 
 class UpgradeRequired(ServiceError):

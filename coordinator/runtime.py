@@ -8,12 +8,13 @@ The merge rule's state is one flat vector per quantity (shared/algorithms/flat_o
 deltas decode onto global indices, the momentum step is lazy from 4M parameters up); `state`
 gives the plain per-tensor form. A checkpoint (coordinator/checkpoints.py) holds everything the
 merge depends on, exactly as it is in memory: the flat weights and momentum with their scalars,
-the group's pending deltas and count, the version, the last exchange folded in, and the screen's
-state (robust.py: each worker's recent delta and exchange norms, its merged count for the ramp,
-and the coordinator's own reference round's norm, computed once per run by `calibrate`). Data
-position (shards done / leased / pending) lives in the database, committed with each lease and
-delta. The coordinator draws no random numbers: every
-seed it hands out is derived from the run's seed and a lease id, so there is no RNG to save.
+the group's pending deltas and count, the momentum steps done (the outer warm-up's place), the
+version, the last exchange folded in, and the screen's state (robust.py: each worker's recent
+delta and exchange norms, its merged count for the ramp, and the coordinator's own reference
+round's norm, computed once per run by `calibrate`). Data position (shards done / leased /
+pending) lives in the database, committed with each lease and delta. The coordinator draws no
+random numbers: every seed it hands out is derived from the run's seed and a lease id, so there
+is no RNG to save.
 """
 
 from __future__ import annotations

@@ -6,9 +6,9 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
 from shared.algorithms.registry import AlgorithmName
 from shared.data import BUILTIN
@@ -19,6 +19,25 @@ NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class _OmitsDefaults(_Strict):
+    """A model whose fields named in OMITTED_AT_DEFAULT are left out of its JSON (and model_dump)
+    while they hold their default. A field added within an API version goes there: a worker of the
+    previous version refuses unknown fields (extra="forbid"), and reads a config that leaves the
+    new field at its default as it always did; one that sets it needs a worker that knows it."""
+
+    OMITTED_AT_DEFAULT: ClassVar[tuple[str, ...]] = ()
+
+    @model_serializer(mode="wrap")
+    def _omit_defaults(self, handler):
+        data = handler(self)
+        if isinstance(data, dict):
+            fields = type(self).model_fields
+            for name in self.OMITTED_AT_DEFAULT:
+                if name in data and data[name] == fields[name].default:
+                    del data[name]
+        return data
 
 
 class InnerConfig(_Strict):
@@ -40,7 +59,7 @@ class InnerConfig(_Strict):
     beta2: float = Field(0.95, ge=0, lt=1)
 
 
-class CompressionConfig(_Strict):
+class CompressionConfig(_OmitsDefaults):
     """How a pseudo-gradient is cut down before it travels.
 
     Default: every element, int4 with per-block scales, error feedback: 8x smaller than fp32. With
@@ -54,8 +73,15 @@ class CompressionConfig(_Strict):
                              "topk: the largest-magnitude fraction (packed indices travel)")
     fraction: float = Field(None, gt=0, le=1, validate_default=False,
                             description="share of each tensor's elements sent (default: 1 for dense, 0.1 otherwise)")
-    values: Literal["fp32", "fp16", "int8", "int4"] = "int4"
+    values: Literal["fp32", "fp16", "int8", "int4", "int2"] = Field(
+        "int4", description="int8/int4: per-block scales; int2: a sign and one of two fitted magnitudes per "
+                            "block, for topk values (shared/codec/values.py)")
+    OMITTED_AT_DEFAULT = ("feedback_decay",)  # new in API version 3
+
     error_feedback: bool = Field(True, description="keep what was not sent and add it to the next round")
+    feedback_decay: float = Field(1.0, gt=0, le=1, description="with error_feedback, the residual kept is "
+                                                               "decay * residual + pseudo-gradient - sent "
+                                                               "(SparseLoCo: 0.95, no outer momentum); 1: all of it")
 
     @model_validator(mode="before")
     @classmethod
@@ -68,10 +94,13 @@ class CompressionConfig(_Strict):
     def _dense_is_whole(self) -> CompressionConfig:
         if self.index == "dense" and self.fraction != 1.0:
             raise ValueError("index='dense' sends every element: set fraction=1.0 or pick 'topk'/'random'")
+        if self.feedback_decay != 1.0 and not self.error_feedback:
+            raise ValueError("feedback_decay decays the error-feedback residual: set error_feedback=true, "
+                             "or leave feedback_decay at 1")
         return self
 
 
-class OuterConfig(_Strict):
+class OuterConfig(_OmitsDefaults):
     """The coordinator's merge rule: outer SGD with (delayed) Nesterov momentum."""
 
     # DiLoCo's published 0.7 / 0.9 assumes a pre-trained start; from scratch, in the runs we
@@ -92,6 +121,11 @@ class OuterConfig(_Strict):
     lookahead: bool = Field(True, description="publish (hand out, snapshot, evaluate) the open group's deltas at "
                                               "their mean, the best guess of the group's end, instead of 1/group "
                                               "of each")
+    OMITTED_AT_DEFAULT = ("warmup",)  # new in API version 3
+    # a gentler start for the outer steps where DiLoCo's 0.7 / 0.9 overshoots from scratch (above)
+    warmup: int = Field(0, ge=0, le=1_000_000,
+                        description="momentum steps over which the outer lr ramps up linearly: the k-th group "
+                                    "(k = 0, 1, ...) runs at lr * min(1, (k + 1) / warmup); 0: none")
 
 
 class RobustConfig(_Strict):

@@ -10,13 +10,16 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from shared.algorithms.registry import NAMES, AlgorithmName
+from shared.algorithms.registry import ALGORITHMS, NAMES, AlgorithmName, End
 from shared.config import NAME_PATTERN, CompressionConfig, InnerConfig, RunConfig, SpartaConfig
 from shared.model import ModelConfig
 
 # 2: leases carry the token dtype and the tokenizer's hash, the model's arch fields and the inner
 # micro-batch; a version-1 worker would refuse them, so it is told to upgrade instead.
-API_VERSION = 2
+# 3: a lease's compression may send int2 values or decay its error feedback (feedback_decay); a
+# version-2 worker still takes the leases of runs without them (lease_api_version). A worker of this
+# release speaks any version from MIN_API_VERSION up: the highest its coordinator serves.
+API_VERSION = 3
 # The oldest worker API this coordinator still serves: a worker of MIN_API_VERSION..API_VERSION works,
 # one outside it is answered 426 and told what to install (worker requests say theirs in H_API_VERSION).
 MIN_API_VERSION = 2
@@ -90,7 +93,8 @@ class Lease(_Body):
     seed: int = Field(ge=0, le=MAX_ID, description="seeds this round's sampling and random index selection")
     lr: float = Field(ge=0, le=1.0, description="inner learning rate for this round (already scheduled)")
     inner: InnerConfig
-    compression: CompressionConfig
+    compression: CompressionConfig = Field(description="how the round's pseudo-gradient is cut down: the run's "
+                                                       "compression (lease_compression)")
     model: ModelConfig = Field(description="the run's ModelConfig (on the wire: ModelConfig.to_dict()); checked here "
                                            "(keys, types, ranges, at most shared.model.MAX_PARAMS parameters), sized "
                                            "against its own cap by the worker")
@@ -127,6 +131,19 @@ class Lease(_Body):
             raise ValueError(f"this worker does not know the algorithm {v!r} (it knows {', '.join(NAMES)}): "
                              "upgrade idletrain")
         return v
+
+
+def lease_compression(cfg: RunConfig) -> CompressionConfig:
+    """The compression a lease of the run carries: the run's, or, when its algorithm ends a round with
+    an empty delta (nothing is compressed), the default, which a worker of any version reads."""
+    return CompressionConfig() if ALGORITHMS[cfg.algorithm].ends_with is End.EMPTY else cfg.compression
+
+
+def lease_api_version(cfg: RunConfig) -> int:
+    """The oldest worker API that takes the run's leases: a version-2 worker knows neither int2
+    values nor feedback_decay (CompressionConfig leaves a decay of 1 out of its JSON)."""
+    compression = lease_compression(cfg)
+    return 3 if compression.values == "int2" or compression.feedback_decay != 1.0 else 2
 
 
 class LeaseRenewed(_Body):
@@ -341,7 +358,7 @@ class RunMetrics(_Body):
 
 __all__ = [
     "API_PREFIX", "API_VERSION", "DeltaAccepted", "EvalPoint", "H_API_VERSION", "H_BASE_VERSION", "H_MAX_BODY",
-    "H_SHA256", "H_VERSION", "MIN_API_VERSION",
+    "H_SHA256", "H_VERSION", "MIN_API_VERSION", "lease_api_version", "lease_compression",
     "Health", "Lease", "RegisterRequest", "RegisterResponse", "RunConfig", "RunCreated", "RunStatus", "RunSummary",
     "WorkerInfo", "LeaseRenewed", "Dashboard", "LeaderboardEntry", "LiveWorker", "RunMetrics", "TeamEntry",
 ]

@@ -181,3 +181,19 @@ def test_run_create_with_a_preset_says_what_a_worker_needs(api, capsys, run_conf
 
     need = memory.min_max_params(ModelConfig.from_dict(cfg), batch_size=16)
     assert "model: llama, 672,640 parameters" in got.err and f"{need:,} for whole batches of 16" in got.err
+
+
+def test_run_create_sets_the_outer_warmup_and_says_which_workers_an_int2_run_needs(api, capsys, run_config,
+                                                                                    monkeypatch):
+    monkeypatch.setattr(httpx, "post", lambda url, *, json, headers, timeout: api.client.post(
+        url[len(URL):], json=json, headers=headers))
+    corpus = run_config()["corpus"]
+    common = ["--corpus", corpus, "--corpus-max-bytes", str(1 << 18), "--shard-tokens", "8192", "--eval-tokens", "4096",
+              "--admin-token", TOKEN]
+    assert run("run", "create", "warm", "--outer-warmup", "4", *common) == 0
+    assert api.client.get("/api/v1/runs/warm/config").json()["outer"]["warmup"] == 4
+    assert "API v" not in capsys.readouterr().err  # a version-2 worker takes its leases
+    assert run("run", "create", "sparse", "--compression", "topk", "--fraction", "0.02", "--values", "int2",
+               "--feedback-decay", "0.95", "--outer-momentum", "0", *common) == 0
+    assert ("Its leases need workers of API v3 or later (compression values 'int2', feedback_decay 0.95): older "
+            "ones are told to upgrade.") in capsys.readouterr().err

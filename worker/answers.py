@@ -95,16 +95,19 @@ class VersionRefused(Blocked):
     recheck_s = 300.0
 
     def __init__(self, status: int, detail: str, *, mine: int, min_version: int | None, max_version: int | None,
-                 install: str | None) -> None:
+                 install: str | None, oldest: int | None = None) -> None:
+        """`mine`: the version the worker speaks, or the newest of those it speaks from `oldest` up."""
         super().__init__(status, detail)
         self.mine, self.min_version, self.max_version, self.install = mine, min_version, max_version, install
+        self.oldest = mine if oldest is None else oldest
 
     def message(self) -> str:
         if self.min_version is None or self.max_version is None:
             accepts = f"refuses worker API v{self.mine} ({self.detail})"
         else:
             accepts = (f"accepts worker API v{self.min_version}" + (f"..v{self.max_version}"
-                       if self.max_version != self.min_version else "") + f", this worker speaks v{self.mine}")
+                       if self.max_version != self.min_version else "") + ", this worker speaks "
+                       + (f"v{self.mine}" if self.oldest == self.mine else f"v{self.oldest}..v{self.mine}"))
         install = self.install or "pip install -U idletrain"
         newer = " (this worker is newer: the operator may also upgrade the coordinator)" if (
             self.max_version is not None and self.mine > self.max_version) else ""
@@ -112,16 +115,29 @@ class VersionRefused(Blocked):
                 f"pip install -e .) and start it again{newer}. Waiting, asking again every few minutes")
 
 
-def version_refusal(health: protocol.Health, mine: int) -> VersionRefused | None:
-    """Why a coordinator with this /healthz does not serve a worker of API `mine`, or None. One that
-    does not say its oldest version (older coordinators) serves only its own."""
+def served_range(health: protocol.Health) -> tuple[int, int]:
+    """The worker API versions a coordinator with this /healthz serves. One that does not say its
+    oldest (older coordinators) serves only its own."""
     low = getattr(health, "min_api_version", None)  # (getattr: a stand-in for the answer may lack the newer fields)
-    low = health.api_version if low is None else low
-    if low <= mine <= health.api_version:
-        return None
-    return VersionRefused(426, "by its /healthz", mine=mine, min_version=low, max_version=health.api_version,
-                          install=getattr(health, "worker_install", None))
+    return (health.api_version if low is None else low), health.api_version
 
+
+def spoken_version(health: protocol.Health, mine: int, *, oldest: int | None = None) -> int | None:
+    """The API version a worker speaking `oldest`..`mine` (oldest None: only `mine`) speaks to a
+    coordinator with this /healthz: the highest both know; None when they share none."""
+    low, high = served_range(health)
+    version = min(mine, high)
+    return version if version >= max(low, mine if oldest is None else oldest) else None
+
+
+def version_refusal(health: protocol.Health, mine: int, *, oldest: int | None = None) -> VersionRefused | None:
+    """Why a coordinator with this /healthz serves none of the API versions `oldest`..`mine` of a
+    worker (oldest None: only `mine`), or None."""
+    if spoken_version(health, mine, oldest=oldest) is not None:
+        return None
+    low, high = served_range(health)
+    return VersionRefused(426, "by its /healthz", mine=mine, min_version=low, max_version=high,
+                          install=getattr(health, "worker_install", None), oldest=oldest)
 
 class NotAdmitted(Blocked):
     """401, 403: the coordinator does not know the token, revoked it or banned its worker, or the

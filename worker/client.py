@@ -33,7 +33,8 @@ from pydantic import BaseModel, ValidationError
 
 from shared import protocol
 from worker.answers import (DELTA_REFUSED, LEASE_LOST, REDELIVERY_REFUSED, Blocked, CoordinatorError, NotAdmitted,
-                            RunUnavailable, UploadTooLarge, VersionRefused, error_for, is_transient, why)
+                            RunUnavailable, UploadTooLarge, VersionRefused, error_for, is_transient, spoken_version,
+                            version_refusal, why)
 from worker.throttle import TokenBucket, paced
 
 log = logging.getLogger(__name__)
@@ -115,9 +116,12 @@ class CoordinatorClient:
 
     def __init__(self, base_url: str, *, token: str | None = None, timeout_s: float = 60.0, max_retries: int = 8,
                  transport: httpx.BaseTransport | None = None, max_download_bytes: int = 1 << 31,
-                 api_version: int = protocol.API_VERSION) -> None:
+                 api_version: int = protocol.API_VERSION, min_api_version: int = protocol.MIN_API_VERSION) -> None:
+        """`api_version`..`min_api_version`: the worker API versions this client speaks (this
+        release's: protocol.API_VERSION down to MIN_API_VERSION); it says the highest until `speak`
+        picks the one a coordinator serves."""
         self.token = token
-        self.api_version = api_version
+        self.newest_api_version, self.oldest_api_version = api_version, min(min_api_version, api_version)
         self.max_upload_bytes: int | None = None  # the coordinator's upload cap, as its last /healthz said
         self.max_retries = max_retries
         self.max_download_bytes = max_download_bytes
@@ -125,12 +129,27 @@ class CoordinatorClient:
         self.bytes_down = 0  # snapshots, shards and exchange answers received
         self.sent_bytes = 0  # every request body, retries included (what crossed the wire)
         self.received_bytes = 0  # every answer body, retries included
-        self._http = httpx.Client(base_url=base_url, timeout=timeout_s, transport=transport,
-                                  headers={"User-Agent": f"idletrain-worker/api{api_version}",
-                                           protocol.H_API_VERSION: str(api_version)})
+        self._http = httpx.Client(base_url=base_url, timeout=timeout_s, transport=transport)
+        self.speak(api_version)
         self.upload_bucket: TokenBucket | None = None
         self.download_bucket: TokenBucket | None = None
         self.meter: Callable[[int], None] | None = None
+
+    def speak(self, version: int) -> None:
+        """Say API `version` in every request from now on (X-Idletrain-Api, User-Agent)."""
+        self.api_version = version
+        self._http.headers.update({"User-Agent": f"idletrain-worker/api{version}",
+                                   protocol.H_API_VERSION: str(version)})
+
+    def agree_version(self, health: protocol.Health) -> VersionRefused | None:
+        """Speak the highest API version both this client and the coordinator of this /healthz know:
+        a newer worker speaks an older coordinator's version (the newer ones only add what a run asks
+        for, and a run that needs it answers a lease request 426); why not, when they share none."""
+        version = spoken_version(health, self.newest_api_version, oldest=self.oldest_api_version)
+        if version is None:
+            return version_refusal(health, self.newest_api_version, oldest=self.oldest_api_version)
+        self.speak(version)
+        return None
 
     def set_transfer(self, *, upload_bytes_per_s: float | None = None, download_bytes_per_s: float | None = None,
                      meter: Callable[[int], None] | None = None) -> None:

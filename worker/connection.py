@@ -1,8 +1,9 @@
-"""Reaching the coordinator: /healthz asked until it answers and serves this worker's API version,
-the worker's token (registered once per run, kept in tokens.json: worker/caches.py), the waits
-after a failure that waiting may mend (no connection, a timeout, 408, 5xx, 429), and the waits
-after a refusal that only someone's action mends (worker/answers.py's Blocked: an upload over the
-cap, an API version out of range, a token refused, a run gone). Such a wait says once what is
+"""Reaching the coordinator: /healthz asked until it answers and serves an API version this worker
+speaks (the highest of those is spoken from then on), the worker's token (registered once per run,
+kept in tokens.json: worker/caches.py), the waits after a failure that waiting may mend (no
+connection, a timeout, 408, 5xx, 429), and the waits after a refusal that only someone's action
+mends (worker/answers.py's Blocked: an upload over the cap, no API version in common, a token
+refused, a run gone). Such a wait says once what is
 wrong and what to do, shows it in the status ("blocked"), asks the coordinator again every few
 minutes, and ends at once on Ctrl-C; the worker never exits over it (under a service manager
 that would restart it into the same refusal, retraining each time).
@@ -41,6 +42,12 @@ class Connection:
         """The API version this worker's requests say (a client stand-in that does not say: this build's)."""
         return getattr(self.client, "api_version", protocol.API_VERSION)
 
+    def agree_version(self, health: protocol.Health) -> VersionRefused | None:
+        """The client speaks the highest API version it shares with the coordinator of this /healthz
+        (CoordinatorClient.agree_version); why not, when they share none."""
+        agree = getattr(self.client, "agree_version", None)  # (a client stand-in may speak one version only)
+        return agree(health) if agree is not None else version_refusal(health, self.api_version)
+
     def wait(self, attempt: int, exc: BaseException) -> None:
         """Back off after a transient failure (as long as the coordinator's Retry-After said, when
         it said). The first Ctrl-C ends the wait."""
@@ -50,8 +57,8 @@ class Connection:
         self.stop.event.wait(delay)
 
     def wait_until_up(self) -> protocol.Health | None:
-        """/healthz, asked until it answers and its API range holds this worker's version (outside
-        it: a blocked wait); None when stopped while waiting."""
+        """/healthz, asked until it answers and its API range holds a version this worker speaks (the
+        highest of them spoken from then on; none: a blocked wait); None when stopped while waiting."""
         attempt = 0
         while not self.stop.event.is_set():
             try:
@@ -64,7 +71,7 @@ class Connection:
                     self.wait_blocked(exc if isinstance(exc, Blocked) else NotACoordinator(
                         self.settings.coordinator, why(exc)))
                 continue
-            refused = version_refusal(health, self.api_version)
+            refused = self.agree_version(health)
             if refused is not None:
                 self.wait_blocked(refused)
                 continue
@@ -101,7 +108,7 @@ class Connection:
             log.info("coordinator %s not answering (%s); still waiting", self.settings.coordinator, why(err))
             return False
         if isinstance(exc, VersionRefused):
-            return version_refusal(health, self.api_version) is None
+            return self.agree_version(health) is None
         return exc.fits(health.max_upload_bytes)
 
     def ensure_token(self) -> None:

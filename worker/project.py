@@ -156,6 +156,9 @@ def follow(settings: WorkerSettings, *, stop: StopFlag, trainer: LocalTrainer | 
     try:
         while not stop.event.is_set() and (settings.max_rounds is None or rounds < settings.max_rounds):
             try:
+                refused = lister.agree_version(lister.health())  # the API version to list runs in
+                if refused is not None:
+                    raise refused
                 choice = project.choose()
             except (httpx.TransportError, CoordinatorError, InvalidAnswer) as exc:
                 project.wait_for_runs(exc)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.metadata
 import secrets
 from typing import Annotated
 
@@ -10,7 +9,7 @@ from fastapi import Depends, Path, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.concurrency import run_in_threadpool
 
-from coordinator.errors import Forbidden, ServiceError, Unauthorized, UpgradeRequired
+from coordinator.errors import Forbidden, ServiceError, Unauthorized, UpgradeRequired, worker_install
 from coordinator.services.common import Caller
 from coordinator.services.coordinator import Coordinator
 from shared import protocol
@@ -52,14 +51,6 @@ def require_admin(request: Request, creds: Credentials) -> None:
 AdminDep = Annotated[None, Depends(require_admin)]
 
 
-def worker_install() -> str:
-    """What a worker outside the served API range installs: this coordinator's own release."""
-    try:
-        return f"pip install -U 'idletrain=={importlib.metadata.version('idletrain')}'"
-    except importlib.metadata.PackageNotFoundError:  # run from a checkout never installed
-        return "pip install -U idletrain"
-
-
 def served_api(request: Request) -> None:
     """Every request but /healthz (which says the range): a worker's X-Idletrain-Api must lie in
     MIN_API_VERSION..API_VERSION, else 426 with the range and what to install. Requests without the
@@ -76,3 +67,10 @@ def served_api(request: Request) -> None:
     served = f"v{low}" if low == high else f"v{low}..v{high}"
     raise UpgradeRequired(f"this coordinator serves worker API {served}, not v{int(sent)}: {install}",
                           extra={"min_api_version": low, "api_version": high, "worker_install": install})
+
+
+def worker_api(request: Request) -> int:
+    """The worker API version a request says it speaks (served_api checked it); the current one
+    when it says none."""
+    sent = request.headers.get(protocol.H_API_VERSION)
+    return int(sent) if sent is not None and sent.isascii() and sent.isdecimal() else protocol.API_VERSION

@@ -7,7 +7,7 @@ from typing import Annotated
 from fastapi import APIRouter, Query, Request, Response
 from starlette.concurrency import run_in_threadpool
 
-from coordinator.api.deps import CoordinatorDep, CurrentWorker, RowId
+from coordinator.api.deps import CoordinatorDep, CurrentWorker, RowId, worker_api
 from coordinator.ratelimit import client_key
 from shared import protocol
 
@@ -23,7 +23,8 @@ async def take_lease(run: str, request: Request, coord: CoordinatorDep, worker: 
     """Lease a data shard and the model version to train it from (429 while the requester's address
     holds max_leases_per_address live leases of the run)."""
     client = client_key(request.client.host if request.client else None)
-    lease = await run_in_threadpool(coord.leases.grant, run, worker, keep=keep, client=client)
+    lease = await run_in_threadpool(coord.leases.grant, run, worker, keep=keep, client=client,
+                                    api_version=worker_api(request))
     if lease is None:
         return Response(status_code=204, headers={"Retry-After": "2"})
     return lease

@@ -12,7 +12,8 @@ from sqlalchemy import Connection, Executable, Row
 
 from coordinator import scheduler, timing
 from coordinator.db import Database
-from coordinator.errors import Conflict, Forbidden, Gone, TooManyRequests, Unprocessable
+from coordinator.errors import (Conflict, Forbidden, Gone, TooManyRequests, Unprocessable, UpgradeRequired,
+                                worker_install)
 from coordinator.models import utcnow
 from coordinator.queries import leases as lease_rows
 from coordinator.queries import runs as run_rows
@@ -92,12 +93,13 @@ class LeaseService:
             return len(dead)
 
     def grant(self, run_name: str, worker: Caller, *, keep: int | None = None,
-              client: str | None = None) -> protocol.Lease | None:
+              client: str | None = None, api_version: int = protocol.API_VERSION) -> protocol.Lease | None:
         """A new lease for `worker`. Its earlier live leases are given up (it restarted or lost them),
         except `keep`: the one whose delta it is still uploading while it trains the next round.
         `client`: the requester's address (ratelimit.client_key): one address holds at most
         settings.max_leases_per_address live leases of a run (429 past it), so tokens minted from
-        one address cannot take every shard. None: no work right now."""
+        one address cannot take every shard. `api_version`: the worker's; 426 when the run's leases
+        need a later one (protocol.lease_api_version). None: no work right now."""
         rate_limit(self.limiter, "lease", worker)
         if time.monotonic() - self._expired_at >= self.EXPIRE_EVERY_S:  # the merger sweeps too, every second
             with timing.phase("expire"):
@@ -109,7 +111,7 @@ class LeaseService:
                 with self.db.connect() as c:
                     run = named_run(run_rows.for_lease(c, run_name), run_name)
                     if cfg is None:  # the first attempt checks the request
-                        cfg = self._admit(c, run, worker, keep)
+                        cfg = self._admit(c, run, worker, keep, api_version)
                         if cfg is None:
                             return None
                     got = self._try(c, run, cfg, worker, keep, client)
@@ -117,10 +119,12 @@ class LeaseService:
                         return got
             return None  # lost every race this time; the worker asks again after Retry-After
 
-    def _admit(self, c: Connection, run: Row, worker: Caller, keep: int | None) -> RunConfig | None:
+    def _admit(self, c: Connection, run: Row, worker: Caller, keep: int | None,
+               api_version: int) -> RunConfig | None:
         """The request's checks (403, 429 while throttled, `keep` the worker's own, 410 once the run is
-        finishing, or its token budget is trained: it starts finishing then); None: the run is paused,
-        or the leases out would train the rest of its budget (they may expire: ask again)."""
+        finishing, or its token budget is trained: it starts finishing then, 426 for a worker API too old
+        for the run's leases); None: the run is paused, or the leases out would train the rest of its
+        budget (they may expire: ask again)."""
         if worker.run_id != run.id:
             raise Forbidden(f"this worker is registered with another run, not {run.name!r}")
         if run.state in ("finishing", "finished", "archived"):
@@ -128,6 +132,14 @@ class LeaseService:
         if run.state != "active":
             return None
         cfg = RunConfig.model_validate_json(run.config_json)
+        need = protocol.lease_api_version(cfg)
+        if api_version < need:
+            install = worker_install()
+            raise UpgradeRequired(f"run {run.name!r}'s leases (compression values {cfg.compression.values!r}, "
+                                  f"feedback_decay {cfg.compression.feedback_decay:g}) need worker API v{need}, "
+                                  f"not v{api_version}: {install}",
+                                  extra={"min_api_version": need, "api_version": protocol.API_VERSION,
+                                         "worker_install": install})
         left = budget_left(run, cfg, 0)
         if left is not None and left <= 0:
             self._finishing(c, run, f"its token budget of {run.token_budget:,} tokens is trained")
@@ -181,7 +193,7 @@ class LeaseService:
         return protocol.Lease(
             lease_id=lease_id, run=run.name, shard_id=claimed.index, shard_sha256=claimed.sha256,
             base_version=base_version, seed=seed, lr=lr, inner=cfg.inner,
-            compression=cfg.compression, model=cfg.model.to_dict(), deadline=deadline,
+            compression=protocol.lease_compression(cfg), model=cfg.model.to_dict(), deadline=deadline,
             algorithm=cfg.algorithm, sparta=cfg.sparta, init_seed=cfg.seed,
             token_dtype=cfg.tokens.dtype, tokenizer_sha256=cfg.tokens.tokenizer_sha256)
 

@@ -16,6 +16,7 @@ from pydantic import ValidationError
 from idletrain.cli.client import OperatorClient
 from idletrain.cli.common import ADMIN_TOKEN_HELP, DATA_DIR_HELP, DEFAULT_COORDINATOR, describe_validation, fail
 from idletrain.cli.lifecycle import describe, token_count
+from shared import protocol
 from shared.algorithms.registry import NAMES
 from shared.config import RunConfig
 from shared.model import PRESETS
@@ -55,10 +56,14 @@ RUN_FLAGS = [  # (flag, dotted config key, type, help)
     ("--lr", "inner.lr", float, "peak inner learning rate"),
     ("--compression", "compression.index", str, "topk | random | dense"),
     ("--fraction", "compression.fraction", float, "share of elements sent per round"),
-    ("--values", "compression.values", str, "fp32 | fp16 | int8 | int4"),
+    ("--values", "compression.values", str, "fp32 | fp16 | int8 | int4 | int2"),
+    ("--feedback-decay", "compression.feedback_decay", float, "the error-feedback residual's decay per round "
+     "(default 1; SparseLoCo: 0.95 with --outer-momentum 0)"),
     ("--update-values", "update_values", str, "int8 | int4: the values of the model updates workers download"),
     ("--outer-lr", "outer.lr", float, "outer learning rate"),
     ("--outer-momentum", "outer.momentum", float, "outer Nesterov momentum"),
+    ("--outer-warmup", "outer.warmup", int, "momentum steps over which the outer lr ramps up linearly (default 0: "
+     "none)"),
     ("--group", "outer.group", int, "deltas per outer momentum step (about the number of workers)"),
     ("--max-staleness", "outer.max_staleness", int, "versions a delta may lag before refusal"),
     ("--sparta-p", "sparta.p", float, "sparta: fraction of each tensor exchanged per exchange"),
@@ -105,7 +110,8 @@ def cmd_run_create(args: argparse.Namespace) -> int:
 
 def worker_needs(cfg: RunConfig) -> str:
     """What a worker needs to take the run's leases (a worker skips, saying why, a model its
-    --max-params cannot hold: worker/memory.py)."""
+    --max-params cannot hold: worker/memory.py), and the worker API version they need when that is
+    above the oldest served (protocol.lease_api_version)."""
     from worker.memory import free_ram_for, min_max_params
 
     m, batch = cfg.model, cfg.inner.batch_size
@@ -116,9 +122,13 @@ def worker_needs(cfg: RunConfig) -> str:
         return f"about {n / 1e9:.1f} GB" if n >= 1e8 else "under 0.1 GB"
 
     passes = "one sequence at a time" if rows == 1 else f"micro-batches of {rows}"
+    api = protocol.lease_api_version(cfg)
+    version = (f" Its leases need workers of API v{api} or later (compression values {cfg.compression.values!r}, "
+               f"feedback_decay {cfg.compression.feedback_decay:g}): older ones are told to upgrade."
+               if api > protocol.MIN_API_VERSION else "")
     return (f"model: {m.arch}, {m.n_params():,} parameters. A worker trains it with --max-params >= {low:,} "
             f"({passes}), {whole:,} for whole batches of {batch}; a worker's default cap comes from its free "
-            f"memory: {gb(free_ram_for(low))} and {gb(free_ram_for(whole))} free on a CPU")
+            f"memory: {gb(free_ram_for(low))} and {gb(free_ram_for(whole))} free on a CPU.{version}")
 
 
 def format_status(st: dict) -> str:

@@ -1,8 +1,10 @@
 """Turn a dense pseudo-gradient into a sparse, quantised Delta, with error feedback.
 
-With error feedback the worker adds last round's residual before selecting, and keeps
+With error feedback the worker adds last round's residual, decayed, before selecting, and keeps
 whatever did not travel (unselected elements and quantisation error) for the next round, so
-   sent + new_residual == pseudo_gradient + old_residual   (exactly, up to float rounding).
+   sent + new_residual == pseudo_gradient + decay * old_residual   (up to float rounding)
+with decay = CompressionConfig.feedback_decay: 1 keeps everything; below 1 (SparseLoCo) the
+residual is a decaying sum of past pseudo-gradients, standing in for the outer momentum.
 """
 
 from __future__ import annotations
@@ -19,7 +21,10 @@ from shared.codec import encoded_bound
 from shared.codec.values import VALUE_CODECS
 from shared.config import CompressionConfig
 
-VALUE_KINDS = {"fp32": ValueKind.FP32, "fp16": ValueKind.FP16, "int8": ValueKind.INT8, "int4": ValueKind.INT4}
+VALUE_KINDS = {"fp32": ValueKind.FP32, "fp16": ValueKind.FP16, "int8": ValueKind.INT8, "int4": ValueKind.INT4,
+               "int2": ValueKind.INT2}
+VALUE_BITS = {ValueKind.FP32: 32, ValueKind.FP16: 16, ValueKind.INT8: 8, ValueKind.INT4: 4, ValueKind.INT2: 2}
+assert set(VALUE_BITS) == set(ValueKind), "every ValueKind needs its width"
 
 
 def tensor_seed(round_seed: int, name: str) -> int:
@@ -66,18 +71,22 @@ def shape_mismatch(entries: Sequence[tuple[str, IndexKind, ValueKind, int, int, 
     they are). `entries`: (name, index kind, value kind, numel, k, seed or None) of each, as
     codec.check_flat reports them. `compress` sends every tensor once; dense: all its values;
     topk: k_for(numel, fraction) packed indices of the sender's choice; random: the same k at the
-    seeded indices of tensor_seed(round_seed, name), whose seed only the lease knows. The value
-    kind is not held to cfg.values: a wider one costs its sender bytes, and changes nothing else.
-    Without this, one value of 1e-7 in a 71-byte delta was a round's work, and earned its credit."""
+    seeded indices of tensor_seed(round_seed, name), whose seed only the lease knows. Values are
+    of cfg.values or a wider kind (fp32 > fp16 > int8 > int4 > int2): a wider one costs its sender
+    bytes and changes nothing else; a narrower one would save them at the run's expense. Without
+    this, one value of 1e-7 in a 71-byte delta was a round's work, and earned its credit."""
     names = [e[0] for e in entries]
     sent = set(names)
     missing = [n for n in schema if n not in sent]
     if missing:
         return (f"a round's delta carries every tensor of the model ({len(schema)}); this one has {len(names)}, "
                 f"missing {missing[:3]}{' ...' if len(missing) > 3 else ''}")
-    want_kind = INDEX_KINDS[cfg.index]
-    for name, index_kind, _value_kind, numel, k, seed in entries:
+    want_kind, want_bits = INDEX_KINDS[cfg.index], VALUE_BITS[VALUE_KINDS[cfg.values]]
+    for name, index_kind, value_kind, numel, k, seed in entries:
         want_k = numel if cfg.index == "dense" else k_for(numel, cfg.fraction)
+        if VALUE_BITS[ValueKind(value_kind)] < want_bits:
+            return (f"{name}: {ValueKind(value_kind).name.lower()} values, narrower than the run's compression "
+                    f"values {cfg.values!r}: send {cfg.values!r} or a wider kind")
         if index_kind != want_kind:
             return (f"{name}: {index_kind.name.lower()} indices, but the run's compression {cfg.index!r} sends "
                     f"{want_kind.name.lower()} ones")
@@ -104,7 +113,7 @@ def compress_with_feedback(pseudo_grad: Mapping[str, torch.Tensor], residual: Ma
                            ) -> tuple[Delta, dict[str, torch.Tensor]]:
     """(delta to send, residual to keep). Without error feedback the residual is empty."""
     if cfg.error_feedback and residual:
-        target = {n: pseudo_grad[n] + residual[n] for n in pseudo_grad}
+        target = {n: pseudo_grad[n] + cfg.feedback_decay * residual[n] for n in pseudo_grad}  # 1.0 * r is r, exactly
     else:
         target = dict(pseudo_grad)
     delta = quantised(compress(target, cfg, base_version=base_version, round_seed=round_seed))

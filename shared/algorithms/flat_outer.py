@@ -1,7 +1,8 @@
 """The merge rule in the coordinator's form (`FlatOuter`): every tensor laid end to end in one flat
 vector, and the dense momentum pass of shared/algorithms/outer.py made lazy. The same rule as
 `outer.apply_delta`, bit for bit below LAZY_MIN_PARAMS parameters, within a few ulps of
-FOLD_GAIN * |m| above it (tests/shared/algorithms/test_outer.py pins both).
+FOLD_GAIN * |m| above it (tests/shared/algorithms/test_outer.py pins both). lr below is the open
+group's (outer.group_lr: the warm-up's ramp over the first `warmup` groups, counted in `groups`).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import numpy as np
 import torch
 
 from shared import kernels
-from shared.algorithms.outer import OuterState, lookahead_gain, outer_step
+from shared.algorithms.outer import OuterState, group_lr, lookahead_gain, outer_step
 from shared.codec import FlatDelta
 from shared.config import OuterConfig
 
@@ -40,7 +41,8 @@ class FlatOuter:
                     Nesterov:   T += C D,  C' = C + lr mu s'
                     heavy-ball: C' = C + lr mu s,  T += C' D
     which is exactly m' = mu m + acc / G and theta' = theta - lr mu m' (Nesterov; heavy-ball uses
-    the old m) on every element, touched or not, up to float rounding: O(k) per delta and per
+    the old m) on every element, touched or not, up to float rounding (lr may differ from group
+    to group: C is the sum of each step's lr mu s): O(k) per delta and per
     group instead of a dense pass over 3 n. Rounding: T carries (C/s) m on top of the weights, so
     once C/s exceeds FOLD_GAIN (for mu = 0.2 every 5th group, for 0.9 every ~24th) C is folded
     into the weights (T -= C M, C = 0: one dense pass over T and M), keeping the error of theta
@@ -53,7 +55,7 @@ class FlatOuter:
     """
 
     def __init__(self, *, shapes: Mapping[str, tuple[int, ...]], t: torch.Tensor, m: torch.Tensor,
-                 scale: float = 1.0, carry: float = 0.0, in_group: int = 0,
+                 scale: float = 1.0, carry: float = 0.0, in_group: int = 0, groups: int = 0,
                  pending: list[tuple[torch.Tensor | None, int, torch.Tensor]] | None = None,
                  lazy: bool | None = None, applied: int | None = None, share: float = 0.0) -> None:
         self.shapes = {n: tuple(s) for n, s in shapes.items()}
@@ -69,6 +71,7 @@ class FlatOuter:
         self.t, self.m = t, m
         self.scale, self.carry = float(scale), float(carry)
         self.in_group = in_group
+        self.groups = int(groups)  # momentum steps done (OuterState.groups): the open group's lr
         # (global indices or None for a dense run, offset of a dense run, weighted values)
         self.pending: list[tuple[torch.Tensor | None, int, torch.Tensor]] = list(pending or [])
         # the first `applied` pending deltas are in T already; the rest owe T -= share * (w g)
@@ -88,7 +91,7 @@ class FlatOuter:
         t = torch.cat([state.params[n].detach().reshape(-1).to(torch.float32) for n in shapes])
         m = torch.cat([state.momentum[n].detach().reshape(-1).to(torch.float32) for n in shapes])
         acc = torch.cat([state.accum[n].detach().reshape(-1).to(torch.float32) for n in shapes])
-        out = cls(shapes=shapes, t=t, m=m, in_group=state.in_group, lazy=lazy)
+        out = cls(shapes=shapes, t=t, m=m, in_group=state.in_group, groups=state.groups, lazy=lazy)
         support = torch.nonzero(acc).reshape(-1)
         if 4 * support.numel() > out.n:  # the group so far, as one dense run (dense deltas)
             if out.lazy:
@@ -120,7 +123,7 @@ class FlatOuter:
         are apply_delta's): theta - c acc, one dense buffer for acc; T itself when the gain c is 0
         (read it, don't write it)."""
         theta = self.weights_flat()
-        c = lookahead_gain(self.in_group, cfg)
+        c = lookahead_gain(self.in_group, cfg, groups=self.groups)
         if c == 0.0:
             return theta
         return self.accum_flat().mul_(-c).add_(theta)  # == theta - c * acc exactly (negation is exact)
@@ -149,10 +152,11 @@ class FlatOuter:
         """The plain form (copies): what OuterState and apply_delta would hold now."""
         return OuterState(params=self.views(self.weights_flat().clone()),
                           momentum=self.views(self.momentum_flat().clone()),
-                          accum=self.views(self.accum_flat()), in_group=self.in_group)
+                          accum=self.views(self.accum_flat()), in_group=self.in_group, groups=self.groups)
 
     def checkpoint(self) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-        """Exactly this state (the scaled form as is, so a restart continues bit for bit): tensors, metadata."""
+        """Exactly this state (the scaled form as is, so a restart continues bit for bit): tensors,
+        metadata. The counters in_group and groups travel beside it (from_checkpoint takes them)."""
         tensors = {"flat/t": self.t, "flat/m": self.m}
         for i, (idx, off, vals) in enumerate(self.pending):
             tensors[f"pending/{i}/values"] = vals.contiguous()
@@ -170,7 +174,7 @@ class FlatOuter:
 
     @classmethod
     def from_checkpoint(cls, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, str], *,
-                        in_group: int, lazy: bool | None = None) -> FlatOuter:
+                        in_group: int, groups: int, lazy: bool | None = None) -> FlatOuter:
         shapes = {n: tuple(s) for n, s in json.loads(meta["outer_layout"])}
         pending = []
         for i, off in enumerate(json.loads(meta["outer_pending_dense"])):
@@ -178,7 +182,7 @@ class FlatOuter:
             pending.append((None, off, vals) if off is not None else (tensors[f"pending/{i}/indices"], 0, vals))
         out = cls(shapes=shapes, t=tensors["flat/t"].to(torch.float32), m=tensors["flat/m"].to(torch.float32),
                    scale=float(meta["outer_scale"]), carry=float(meta["outer_carry"]), in_group=in_group,
-                   pending=pending, lazy=lazy, applied=int(meta.get("outer_applied", len(pending))),
+                   groups=groups, pending=pending, lazy=lazy, applied=int(meta.get("outer_applied", len(pending))),
                    share=float(meta.get("outer_share", "0.0")))
         for off, numel in json.loads(meta.get("outer_dense_acc", "[]")):
             out.dense_acc[(off, numel)] = tensors[f"dense_acc/{off}/{numel}"].to(torch.float32)
@@ -196,7 +200,7 @@ class FlatOuter:
 
     def apply(self, delta: FlatDelta, *, weight: float, cfg: OuterConfig) -> None:
         """apply_delta for a decoded FlatDelta (same arithmetic per element, momentum step lazily)."""
-        share = cfg.lr / cfg.group
+        share = group_lr(self.groups, cfg) / cfg.group
         if self.applied < len(self.pending) and share != self.share:
             self.flush()  # a config change mid-group: settle what is owed at the old share
         self.share = share
@@ -250,8 +254,9 @@ class FlatOuter:
         self.flush()
         acc = self.accum_flat()
         self.dense_acc = {}
-        outer_step(self.views(self.t), self.views(self.m), self.views(acc), cfg)
+        outer_step(self.views(self.t), self.views(self.m), self.views(acc), cfg, lr=group_lr(self.groups, cfg))
         self.pending, self.applied, self.in_group = [], 0, 0
+        self.groups += 1
 
     def fold(self, *, rescale: bool = True) -> None:
         """T = theta, C = 0 (one dense pass over T and M); rescale: also M = m, s = 1 (the plain form)."""
@@ -263,7 +268,7 @@ class FlatOuter:
             self.scale = 1.0
 
     def _momentum_step(self, cfg: OuterConfig) -> None:
-        mu, lr, group = cfg.momentum, cfg.lr, cfg.group
+        mu, lr, group = cfg.momentum, group_lr(self.groups, cfg), cfg.group
         if not self.lazy:
             self.fold()
             self._dense_step(cfg)
@@ -296,3 +301,4 @@ class FlatOuter:
         self.dense_acc = {}
         self.scale, self.carry = s_new, c_new
         self.pending, self.applied, self.in_group = [], 0, 0
+        self.groups += 1

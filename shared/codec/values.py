@@ -3,6 +3,8 @@
 - FP32: exact. FP16: half precision (relative error <= 2^-11; |v| must stay below 65504).
 - INT8 / INT4: symmetric per-block quantisation, one fp32 scale (absmax / 127 or / 7) per
   BLOCK values; the error of each value is at most half its block's scale.
+- INT2: a sign and one magnitude bit; two fp32 magnitudes per BLOCK values, fitted to the block
+  (INT2Values). Made for top-k'd values (all large, none zero): 2.25 bits a value.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ class ValueKind(enum.IntEnum):
     FP16 = 1
     INT8 = 2
     INT4 = 3
+    INT2 = 4
 
 
 def _finite(arr: np.ndarray, what: str) -> None:
@@ -165,7 +168,95 @@ class INT4Values(_BlockQuantised):
         return 4 * (-(-k // BLOCK)) + (k + 1) // 2
 
 
+class INT2Values(ValueCodec):
+    """Each value is +-lo or +-hi, two magnitudes per block of BLOCK values (0 <= lo <= hi): the
+    sign and which magnitude are its 2 bits. lo and hi are fitted to the block's magnitudes by
+    Lloyd's 2-means (ITERATIONS rounds, from the mean magnitude as threshold), the pair with the
+    block's least squared error (to a local optimum); each value takes the nearer of the two.
+
+    Why not a grid {-3,-1,1,3} * scale like INT4's: top-k'd values all lie between the k-th
+    magnitude and the block's largest, and a grid anchored at 0 wastes its inner levels there.
+    Relative L2 error measured (tests/shared/codec/test_codec.py pins upper bounds), against a
+    grid {-3,-1,1,3} * absmax/3 and the same grid with its scale fitted by least squares:
+        standard normal values            0.34    (grid: 0.60, fitted grid: 0.34)
+        top 1% / 2% / 3% of a normal     0.06 / 0.07 / 0.07    (grid: 0.40, fitted: 0.10-0.13)
+    A zero value becomes +lo: dense int2 suits only what error feedback corrects.
+
+    Section: nblocks pairs of fp32 (lo, hi), then the codes, 4 to a byte, the first value in the
+    low 2 bits; code bit 0: hi (else lo), bit 1: negative."""
+
+    kind = ValueKind.INT2
+    ITERATIONS = 4  # measured: 2 already reach the error above, to 4 digits
+
+    @classmethod
+    def _fit(cls, mags: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(lo, hi, is_hi) for rows of magnitudes (nrows, n): Lloyd's 2-means on each row, then the
+        nearer level for each value (a tie takes lo)."""
+        total = mags.sum(axis=1, dtype=np.float64)
+        n = mags.shape[1]
+        threshold = total / n
+        big = np.empty(mags.shape, dtype=bool)
+        for _ in range(cls.ITERATIONS):
+            np.greater(mags, threshold[:, None], out=big)
+            n_hi = big.sum(axis=1)
+            s_hi = mags.sum(axis=1, dtype=np.float64, where=big)
+            with np.errstate(invalid="ignore", divide="ignore"):  # an empty side keeps the threshold
+                hi = np.where(n_hi > 0, s_hi / n_hi, threshold)
+                lo = np.where(n_hi < n, (total - s_hi) / (n - n_hi), threshold)
+            threshold = (lo + hi) / 2
+        lo32, hi32 = lo.astype(np.float32), hi.astype(np.float32)
+        np.greater(mags, ((lo32.astype(np.float64) + hi32) / 2)[:, None], out=big)
+        return lo32, hi32, big
+
+    def _quantise(self, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(levels: (nblocks, 2) float32 of (lo, hi), codes: uint8, k of them then zeros up to a
+        multiple of 4)."""
+        k = values.size
+        full = k // BLOCK * BLOCK
+        mags = np.abs(values)
+        parts = [self._fit(mags[:full].reshape(-1, BLOCK))] if full else []
+        if k > full:
+            parts.append(self._fit(mags[None, full:]))
+        del mags
+        levels = np.zeros((-(-k // BLOCK), 2), dtype="<f4")
+        codes = np.zeros(-(-k // 4) * 4, dtype=np.uint8)
+        at = 0
+        for lo, hi, big in parts:
+            levels[at:at + lo.size, 0], levels[at:at + lo.size, 1] = lo, hi
+            codes[at * BLOCK:at * BLOCK + big.size] = big.reshape(-1)
+            at += lo.size
+        np.bitwise_or(codes[:k], 2, out=codes[:k], where=values < 0)
+        return levels, codes
+
+    def encode(self, values):
+        levels, codes = self._quantise(np.asarray(values, dtype=np.float32))
+        packed = codes[0::4] | (codes[1::4] << 2) | (codes[2::4] << 4) | (codes[3::4] << 6)
+        return levels.tobytes() + packed.astype(np.uint8).tobytes()
+
+    def decode(self, buf, k):
+        body = self._take(buf, k)
+        nblocks = -(-k // BLOCK)
+        levels = np.frombuffer(body[:8 * nblocks], dtype="<f4").astype(np.float32).reshape(nblocks, 2)
+        _finite(levels, "quantisation scales")
+        if np.any(levels < 0):
+            raise DeltaMismatchError("quantisation scales must not be negative")
+        if np.any(levels[:, 0] > levels[:, 1]):
+            raise DeltaMismatchError("INT2 magnitudes out of order: a block's lo exceeds its hi")
+        packed = np.frombuffer(body[8 * nblocks:], dtype=np.uint8)
+        codes = np.zeros(nblocks * BLOCK, dtype=np.uint8)  # whole blocks: past the k-th, zeros and padding bits
+        for j in range(4):
+            codes[j:packed.size * 4:4] = (packed >> (2 * j)) & 3
+        blocks = codes.reshape(nblocks, BLOCK)
+        # each value its block's hi or lo (bit 0: 0 or 1, read as a bool), no per-value index
+        out = np.where((blocks & 1).view(bool), levels[:, 1:2], levels[:, 0:1]).reshape(-1)[:k]
+        np.negative(out, out=out, where=(codes[:k] >> 1).view(bool))
+        return out, self.nbytes(k)
+
+    def nbytes(self, k):
+        return 8 * (-(-k // BLOCK)) + (k + 3) // 4
+
+
 VALUE_CODECS: dict[ValueKind, ValueCodec] = {
-    c.kind: c for c in (FP32Values(), FP16Values(), INT8Values(), INT4Values())
+    c.kind: c for c in (FP32Values(), FP16Values(), INT8Values(), INT4Values(), INT2Values())
 }
 assert set(VALUE_CODECS) == set(ValueKind), "every ValueKind needs a codec"

@@ -57,3 +57,40 @@ def test_413_says_the_cap(open_api, settings, run_config):
         resp = api.upload(lease.lease_id, b"\0" * 5000, headers)
         assert resp.status_code == 413
         assert resp.headers[protocol.H_MAX_BODY] == "4096" and "4096" in resp.json()["detail"]
+
+
+@pytest.mark.parametrize("algorithm,compression,needs", [
+    ("diloco", {}, 2), ("diloco", {"index": "topk", "fraction": 0.02, "values": "int2"}, 3),
+    ("diloco", {"index": "topk", "fraction": 0.02, "feedback_decay": 0.95}, 3),
+    ("sparta+diloco", {"index": "topk", "fraction": 0.02, "values": "int2"}, 3),
+    ("sparta", {"index": "topk", "fraction": 0.02, "values": "int2", "feedback_decay": 0.95}, 2)])
+def test_a_v2_worker_takes_leases_of_runs_it_can_read_and_is_told_to_upgrade_for_the_others(
+        api, run_config, algorithm, compression, needs):
+    """A run needs v3 only when its rounds end with a pseudo-gradient cut down by int2 or a decay: a
+    sparta round compresses nothing, and its lease carries the default compression, which v2 reads."""
+    cfg = run_config(algorithm=algorithm, compression=compression)
+    assert protocol.lease_api_version(protocol.RunConfig.model_validate(cfg)) == needs
+    api.create_run(cfg)
+    headers = {**api.register(), protocol.H_API_VERSION: "2"}
+    resp = api.client.post(f"{API}/runs/t/leases", headers=headers)
+    if needs == 2:  # the lease reads as version 2 wrote it: no feedback_decay, no int2 in its compression
+        assert resp.status_code == 200, resp.text
+        assert "feedback_decay" not in resp.json()["compression"] and resp.json()["compression"]["values"] != "int2"
+        return
+    assert resp.status_code == 426, resp.text
+    body = resp.json()
+    assert body["min_api_version"] == 3 and body["api_version"] == protocol.API_VERSION
+    assert "need worker API v3, not v2" in body["detail"] and deps.worker_install() in body["detail"]
+    # nothing was leased: a current worker gets the first lease, and reads the run's compression
+    lease = api.lease({k: v for k, v in headers.items() if k != protocol.H_API_VERSION})
+    assert lease.lease_id == 1 and lease.compression == protocol.RunConfig.model_validate(cfg).compression
+
+def test_a_default_runs_public_config_reads_as_version_2_wrote_it(api, run_config):
+    """A version-2 worker following the coordinator validates GET /runs/{run}/config strictly: a default
+    run's has none of version 3's fields; a run that sets them says them."""
+    api.create_run(run_config())
+    api.create_run(run_config("w", outer={"warmup": 4}, compression={"index": "topk", "feedback_decay": 0.9}))
+    plain = api.client.get(f"{API}/runs/t/config").json()
+    assert "warmup" not in plain["outer"] and "feedback_decay" not in plain["compression"]
+    warm = api.client.get(f"{API}/runs/w/config").json()
+    assert (warm["outer"]["warmup"], warm["compression"]["feedback_decay"]) == (4, 0.9)

@@ -105,13 +105,14 @@ def plain_reference(cfg: RunConfig, ds: list[Delta], bases: list[int], schema) -
 
 
 def assert_states_close(a: OuterState, b: OuterState, tol: float = 1e-5) -> None:
-    assert a.in_group == b.in_group
+    assert (a.in_group, a.groups) == (b.in_group, b.groups)
     for part in ("params", "momentum", "accum"):
         for n, t in getattr(a, part).items():
             torch.testing.assert_close(t, getattr(b, part)[n], atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize("outer", [{}, {"momentum": 0.9, "lr": 0.7, "group": 3}, {"momentum": 0.0, "group": 2},
+@pytest.mark.parametrize("outer", [{}, {"momentum": 0.9, "lr": 0.7, "group": 3},
+                                   {"momentum": 0.9, "lr": 0.7, "group": 3, "warmup": 8}, {"momentum": 0.0, "group": 2},
                                    {"nesterov": False, "momentum": 0.5}])
 def test_merge_equals_the_plain_rule(tmp_path, outer, lazy):
     cfg = config(**outer, max_staleness=6)
@@ -188,10 +189,44 @@ def test_a_checkpoint_in_the_old_format_still_loads(tmp_path):
     storage.write(storage.checkpoint(1, 7), hashlib.sha256(raw).hexdigest().encode() + b"\n" + raw)
     rt = checkpoints.load_newest(run_id=1, config=cfg, storage=storage)
     assert (rt.version, rt.norm_history, rt.last_exchange_id) == (7, [0.1, 0.2], 5)
+    assert ref_state.groups == rt.outer.groups == 7 // 3  # no counter in it: version // group (all 7 merged)
     assert_states_close(rt.state, ref_state, tol=0)
     checkpoints.write(rt)  # and it writes the new form, which loads again
     again = checkpoints.load_newest(run_id=1, config=cfg, storage=storage)
     assert_states_close(again.state, ref_state, tol=0)
+
+
+def test_checkpoint_mid_warmup_restarts_at_its_place_in_the_ramp(tmp_path):
+    """The momentum steps done (the outer warm-up's place) survive a checkpoint: the restarted run
+    continues the ramp bit for bit; one whose checkpoint lacks the counter counts version // group."""
+    cfg = config(momentum=0.9, lr=0.7, group=3, warmup=8)
+    ds = deltas(36, seed=5)
+    rt = runtime(tmp_path, cfg)
+    items = store(rt, ds, [max(0, v - 2) for v in range(36)])
+    stop = 12
+    for s, b in items[:stop]:
+        rt.merge(seq=s, base_version=b, write_snapshot=False)
+    while rt.outer.in_group == 0:  # stop mid-group (some deltas are rejected), mid-ramp
+        rt.merge(seq=items[stop][0], base_version=items[stop][1], write_snapshot=False)
+        stop += 1
+    assert 0 < rt.outer.groups < cfg.outer.warmup and rt.outer.in_group > 0, (rt.outer.groups, rt.outer.in_group)
+    name = checkpoints.write(rt)
+    back = checkpoints.load_newest(run_id=1, config=cfg, storage=rt.storage)
+    assert (back.outer.groups, back.outer.in_group) == (rt.outer.groups, rt.outer.in_group)
+    a = [rt.merge(seq=s, base_version=b, write_snapshot=False) for s, b in items[stop:]]
+    b = [back.merge(seq=s, base_version=b, write_snapshot=False) for s, b in items[stop:]]
+    assert a == b
+    assert torch.equal(rt.outer.t, back.outer.t) and torch.equal(rt.outer.m, back.outer.m)
+    assert back.outer.groups > cfg.outer.warmup  # past the ramp
+    # the same checkpoint without its counter (as written before it existed): version // group
+    blob = rt.storage.read(name)
+    raw = blob.partition(b"\n")[2]
+    meta = json.loads(raw[8:8 + int.from_bytes(raw[:8], "little")])["__metadata__"]
+    del meta["groups"]
+    old = safetensors.torch.save(dict(safetensors.torch.load(raw)), metadata=meta)
+    storage = Storage.local(tmp_path / "old")
+    storage.write(storage.checkpoint(1, stop), hashlib.sha256(old).hexdigest().encode() + b"\n" + old)
+    assert checkpoints.load_newest(run_id=1, config=cfg, storage=storage).outer.groups == stop // 3
 
 
 def test_exchange_on_the_scaled_form_and_its_exact_undo(tmp_path, lazy):

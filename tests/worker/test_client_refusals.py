@@ -97,6 +97,56 @@ def test_version_refusal_from_healthz():
     assert gone is not None and "v4..v5" in gone.message() and "pip install x==5" in gone.message()
 
 
+def connection_to(health: dict, seen: list, tmp_path, **client_kw):
+    """A worker's Connection to a coordinator whose /healthz says `health` (every request kept in `seen`);
+    a blocked wait is kept in its `refusals` and stops the worker instead of waiting."""
+    from worker.caches import TokenStore
+    from worker.connection import Connection
+    from worker.control import StopFlag
+    from worker.settings import WorkerSettings
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        return httpx.Response(200, json={"status": "ok", **health})
+
+    client = CoordinatorClient(BASE, transport=httpx.MockTransport(handler), max_retries=0, **client_kw)
+    settings = WorkerSettings(coordinator=BASE, run="t", state_dir=tmp_path)
+    conn = Connection(client, settings, TokenStore(tmp_path), StopFlag(), device_type="cpu")
+    conn.refusals = []
+    conn.wait_blocked = lambda exc: conn.refusals.append(exc) or conn.stop.event.set()
+    return conn
+
+
+@pytest.mark.parametrize("health", [{"api_version": 2}, {"api_version": 2, "min_api_version": 2}])
+def test_a_worker_speaks_an_older_coordinators_version_it_still_knows(tmp_path, health):
+    """A coordinator serving only v2 (one from before v3): this worker speaks v2 to it from its
+    /healthz on, and is not blocked; once the coordinator serves v3 too, it speaks v3."""
+    assert protocol.API_VERSION > 2 and protocol.MIN_API_VERSION <= 2
+    seen: list[httpx.Request] = []
+    conn = connection_to(health, seen, tmp_path)
+    assert conn.wait_until_up() is not None and conn.refusals == []
+    conn.client.health()
+    assert [r.headers[protocol.H_API_VERSION] for r in seen] == [str(protocol.API_VERSION), "2"]
+    assert seen[-1].headers["user-agent"] == "idletrain-worker/api2" and conn.api_version == 2
+    upgraded = protocol.Health(status="ok", api_version=protocol.API_VERSION, min_api_version=2)
+    assert conn.agree_version(upgraded) is None and conn.client.api_version == protocol.API_VERSION
+
+
+def test_a_worker_is_blocked_by_a_coordinator_serving_none_of_its_versions(tmp_path):
+    seen: list[httpx.Request] = []
+    conn = connection_to({"api_version": 5, "min_api_version": 4}, seen, tmp_path)
+    assert conn.wait_until_up() is None
+    (refused,) = conn.refusals
+    assert isinstance(refused, VersionRefused)
+    assert (refused.min_version, refused.max_version, refused.mine) == (4, 5, protocol.API_VERSION)
+    assert f"accepts worker API v4..v5, this worker speaks v{protocol.MIN_API_VERSION}..v{protocol.API_VERSION}" in (
+        refused.message())
+    assert [r.headers[protocol.H_API_VERSION] for r in seen] == [str(protocol.API_VERSION)]
+    # ... as by one that serves only versions below its oldest
+    old = version_refusal(protocol.Health(status="ok", api_version=1), protocol.API_VERSION, oldest=2)
+    assert old is not None and "this worker is newer" in old.message()
+
+
 @pytest.mark.parametrize("status", [401, 403])
 def test_401_and_403_are_not_admitted(status):
     with pytest.raises(NotAdmitted) as refused:

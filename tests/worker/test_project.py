@@ -91,3 +91,28 @@ def _gone():
     from worker.client import RunUnavailable
 
     return RunUnavailable(410, "run 'b' finished", run="b")
+
+
+def test_a_follower_lists_an_older_coordinators_runs_in_its_version(tmp_path, monkeypatch):
+    """Against a coordinator serving only API v2 the follower's requests say v2 (a v3 header would
+    be answered 426 there), from its /healthz on."""
+    import httpx
+
+    from worker import project as project_mod
+    from worker.control import StopFlag
+
+    stop, seen = StopFlag(), []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append((request.url.path, request.headers[protocol.H_API_VERSION]))
+        if request.url.path == "/healthz":
+            return httpx.Response(200, json={"status": "ok", "api_version": 2, "min_api_version": 2})
+        stop.event.set()  # the runs listed: enough
+        return httpx.Response(200, json=[])
+
+    real = project_mod.CoordinatorClient
+    monkeypatch.setattr(project_mod, "CoordinatorClient",
+                        lambda *a, **kw: real(*a, transport=httpx.MockTransport(handler), **kw))
+    settings = WorkerSettings(coordinator="http://coordinator.test", state_dir=tmp_path, max_params=10**6)
+    assert project_mod.follow(settings, stop=stop) == 0
+    assert seen == [("/healthz", str(protocol.API_VERSION)), (f"{protocol.API_PREFIX}/runs", "2")]

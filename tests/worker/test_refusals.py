@@ -137,7 +137,7 @@ def test_a_worker_outside_the_coordinators_range_waits_saying_what_to_install(ap
     mine = protocol.API_VERSION + 1
     worker, transport = make_worker(api, tmp_path)
     worker.client = worker.connection.client = CoordinatorClient(URL, transport=transport, max_retries=2,
-                                                                 api_version=mine)
+                                                                 api_version=mine, min_api_version=mine)
     thread, out = start(worker)
     until(lambda: worker.status().state == "blocked")
     until(lambda: len(transport.log) >= 4)  # /healthz asked again, nothing else

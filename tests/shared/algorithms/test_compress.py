@@ -27,7 +27,7 @@ def cfg(index: str, values: str, *, fraction: float | None = None, ef: bool = Tr
     return CompressionConfig(index=index, values=values, fraction=frac, error_feedback=ef)
 
 
-@pytest.mark.parametrize("values", ["fp32", "fp16", "int8", "int4"])
+@pytest.mark.parametrize("values", ["fp32", "fp16", "int8", "int4", "int2"])
 @pytest.mark.parametrize("index", ["topk", "random", "dense"])
 def test_error_feedback_conserves_the_signal(index, values):
     c = cfg(index, values)
@@ -45,6 +45,61 @@ def test_error_feedback_conserves_the_signal(index, values):
     sent2 = delta_to_tensors(delta2, SHAPES)
     for n in SHAPES:
         torch.testing.assert_close(sent[n] + sent2[n] + newer[n], pg[n] + pg2[n] + old[n], atol=3e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("values", ["fp32", "int2"])
+def test_decayed_feedback_keeps_pseudo_gradient_plus_decayed_residual(values):
+    """SparseLoCo's accumulator: sent + new_residual == pseudo_grad + decay * old_residual, round
+    after round; what was not sent fades by the decay each round it waits."""
+    c = CompressionConfig(index="topk", fraction=0.05, values=values, feedback_decay=0.9)
+    pg, old = tensors(1), tensors(2, scale=0.3)
+    delta, new = compress_with_feedback(pg, old, c, base_version=0, round_seed=1)
+    sent = delta_to_tensors(delta, SHAPES)
+    for n in SHAPES:
+        torch.testing.assert_close(sent[n] + new[n], pg[n] + 0.9 * old[n], atol=1e-6, rtol=1e-6)
+    # the decay is applied: the same round at decay 1 keeps a different residual
+    _, undecayed = compress_with_feedback(pg, old, c.model_copy(update={"feedback_decay": 1.0}), base_version=0,
+                                          round_seed=1)
+    assert any(not torch.equal(new[n], undecayed[n]) for n in SHAPES)
+    # a second round: the first residual enters decayed once more
+    pg2 = tensors(3)
+    delta2, newer = compress_with_feedback(pg2, new, c, base_version=1, round_seed=2)
+    sent2 = delta_to_tensors(delta2, SHAPES)
+    for n in SHAPES:
+        torch.testing.assert_close(sent2[n] + newer[n], pg2[n] + 0.9 * new[n], atol=1e-6, rtol=1e-6)
+    # with no pseudo-gradient, an unsent element only fades: 0.9 of it stays
+    zero = {n: torch.zeros(s) for n, s in SHAPES.items()}
+    delta3, faded = compress_with_feedback(zero, newer, c, base_version=2, round_seed=3)
+    for e in delta3.entries:
+        keep = torch.ones(e.numel, dtype=torch.bool)
+        keep[torch.from_numpy(e.indices)] = False
+        torch.testing.assert_close(faded[e.name].reshape(-1)[keep], 0.9 * newer[e.name].reshape(-1)[keep])
+
+
+def test_decay_one_is_plain_error_feedback_bit_for_bit():
+    pg, old = tensors(1), tensors(2, scale=0.3)
+    c = cfg("topk", "int4")
+    assert c.feedback_decay == 1.0
+    delta, new = compress_with_feedback(pg, old, c, base_version=0, round_seed=4)
+    target = {n: pg[n] + old[n] for n in SHAPES}
+    want = quantised(compress(target, c, base_version=0, round_seed=4))
+    sent = delta_to_tensors(want, SHAPES)
+    for a, b in zip(delta.entries, want.entries):
+        assert a.values.tobytes() == b.values.tobytes() and np.array_equal(a.indices, b.indices)
+    for n in SHAPES:
+        assert torch.equal(new[n], target[n] - sent[n])
+
+
+def test_feedback_decay_is_validated_and_left_out_of_the_json_at_one():
+    with pytest.raises(ValueError, match="error_feedback"):
+        CompressionConfig(index="topk", feedback_decay=0.9, error_feedback=False)
+    for bad in (0.0, -0.5, 1.01):
+        with pytest.raises(ValueError, match="feedback_decay"):
+            CompressionConfig(index="topk", feedback_decay=bad)
+    assert "feedback_decay" not in CompressionConfig().model_dump_json()  # what a version-2 worker reads
+    c = CompressionConfig(index="topk", fraction=0.02, values="int2", feedback_decay=0.95)
+    assert CompressionConfig.model_validate_json(c.model_dump_json()) == c
+    assert CompressionConfig.model_validate_json(CompressionConfig().model_dump_json()) == CompressionConfig()
 
 
 def test_error_feedback_first_round_without_residual():
@@ -166,8 +221,8 @@ def test_tensor_seed():
     assert seeded_indices(tensor_seed(5, "a"), 1000, 10).tolist() != seeded_indices(tensor_seed(5, "b"), 1000, 10).tolist()
 
 
-@pytest.mark.parametrize("index", ["dense", "topk", "random"])
-def test_shape_mismatch_accepts_what_compress_makes_and_nothing_less(index):
+@pytest.mark.parametrize("index,values", [("dense", "int4"), ("topk", "int4"), ("random", "int4"), ("topk", "int2")])
+def test_shape_mismatch_accepts_what_compress_makes_and_nothing_less(index, values):
     """The coordinator's check of an upload (issue 18): what compress() makes of a whole model
     passes for every compression; a missing tensor, a short tensor, the wrong index kind or (random)
     another seed is named."""
@@ -175,7 +230,8 @@ def test_shape_mismatch_accepts_what_compress_makes_and_nothing_less(index):
     from shared.codec import check_flat
 
     schema = {"a": (7, 5), "b": (3,), "c": (64,)}
-    cfg = CompressionConfig(index=index) if index == "dense" else CompressionConfig(index=index, fraction=0.3)
+    cfg = (CompressionConfig(index=index, values=values) if index == "dense"
+           else CompressionConfig(index=index, fraction=0.3, values=values))
     gen = torch.Generator().manual_seed(0)
     grads = {n: torch.randn(s, generator=gen) for n, s in schema.items()}
     body = encode(compress(grads, cfg, base_version=0, round_seed=11))
@@ -191,3 +247,25 @@ def test_shape_mismatch_accepts_what_compress_makes_and_nothing_less(index):
     if index == "random":
         assert seed == tensor_seed(11, name)
         assert "seed" in shape_mismatch(entries, schema, cfg, round_seed=12)
+
+
+@pytest.mark.parametrize("run_values", ["fp32", "fp16", "int8", "int4", "int2"])
+def test_shape_mismatch_refuses_values_narrower_than_the_runs_and_takes_wider(run_values):
+    """A worker may spend more bytes than the run asks (a wider value kind), never fewer: a narrower,
+    lossier kind saves its bytes at the run's expense."""
+    from shared.algorithms.compress import VALUE_KINDS, shape_mismatch
+    from shared.codec import check_flat
+
+    order = ["fp32", "fp16", "int8", "int4", "int2"]  # widest first
+    schema = {"a": (7, 5), "b": (300,)}
+    gen = torch.Generator().manual_seed(0)
+    grads = {n: torch.randn(s, generator=gen) for n, s in schema.items()}
+    run = CompressionConfig(index="topk", fraction=0.3, values=run_values)
+    for sent in order:
+        body = encode(compress(grads, run.model_copy(update={"values": sent}), base_version=0, round_seed=1))
+        wrong = shape_mismatch(check_flat(body, schema=schema).entries, schema, run, round_seed=1)
+        if order.index(sent) <= order.index(run_values):
+            assert wrong is None, (sent, wrong)
+        else:
+            assert wrong == (f"a: {VALUE_KINDS[sent].name.lower()} values, narrower than the run's compression "
+                             f"values {run_values!r}: send {run_values!r} or a wider kind")

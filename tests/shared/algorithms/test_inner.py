@@ -257,13 +257,17 @@ def test_micro_batch_size_in_the_config_is_used_and_validated():
 def test_bf16_autocast_on_cpu_trains_with_fp32_weights():
     tokens = repetitive_tokens()
     cfg = InnerConfig(batch_size=8, lr=1e-2, warmup_steps=0)
-    ends = []
+    init = get_params(build_model(TINY, seed=0))
+    moves = []
     for autocast in (None, torch.bfloat16):
         model = build_model(TINY, seed=0)
         losses = run_steps(model, make_optimizer(model, cfg), tokens, cfg, lr=cfg.lr, steps=20,
                            generator=torch.Generator().manual_seed(0), autocast=autocast)
         assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0] - 1.0
         assert all(p.dtype == torch.float32 for p in model.parameters())
-        ends.append(get_params(model))
-    diff = max((ends[0][n] - ends[1][n]).abs().max().item() for n in ends[0])
-    assert 0 < diff < 0.1  # bf16 rounding: not the fp32 run bit for bit, but close to it
+        end = get_params(model)
+        moves.append(torch.cat([(end[n] - init[n]).flatten() for n in init]))
+    fp32, bf16 = moves
+    # bf16 rounding: not the fp32 run bit for bit, but close to it. Measured on the whole update (0.04 of
+    # its norm with one or two threads); one element's difference moves with the thread count (0.10-0.13).
+    assert 0 < (fp32 - bf16).norm() / fp32.norm() < 0.15

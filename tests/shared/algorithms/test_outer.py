@@ -7,10 +7,11 @@ import json
 import numpy as np
 import pytest
 import torch
+from pydantic import ValidationError
 
 from shared import codec
 from shared.algorithms.flat_outer import FlatOuter
-from shared.algorithms.outer import OuterState, apply_delta, lookahead_gain, published, staleness_weight
+from shared.algorithms.outer import OuterState, apply_delta, group_lr, lookahead_gain, published, staleness_weight
 from shared.codec import Delta, Entry, IndexKind, ValueKind
 from shared.config import OuterConfig
 
@@ -153,8 +154,8 @@ def test_outer_state_tensors_round_trip():
     # through a real checkpoint format, so nothing depends on aliasing
     import safetensors.torch
     loaded = safetensors.torch.load(safetensors.torch.save({k: v.contiguous() for k, v in flat.items()}))
-    back = OuterState.from_tensors(loaded, in_group=state.in_group)
-    assert back.in_group == 1
+    back = OuterState.from_tensors(loaded, in_group=state.in_group, groups=state.groups)
+    assert (back.in_group, back.groups) == (1, 1)
     for part in ("params", "momentum", "accum"):
         a, b = getattr(state, part), getattr(back, part)
         assert set(a) == set(b) == set(SHAPES)
@@ -212,7 +213,7 @@ def assert_same_state(flat_state: FlatOuter, ref: OuterState, tol: float = 2e-5)
     """Close within tol, absolute errors measured against the momentum's size (the lazy form's
     rounding is a few ulps of FOLD_GAIN * |m|)."""
     got = flat_state.to_state()
-    assert got.in_group == ref.in_group
+    assert (got.in_group, got.groups) == (ref.in_group, ref.groups)
     size = max([1.0] + [float(t.abs().max()) for t in ref.momentum.values()])
     for part in ("params", "momentum", "accum"):
         for n in SHAPES:
@@ -266,10 +267,11 @@ def test_flat_outer_matches_torch_sgd():
             torch.testing.assert_close(got[n], ref[n].detach(), atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("warmup", [0, 6])
 @pytest.mark.parametrize("stop", [0, 5, 6, 13])
-def test_flat_outer_checkpoint_continues_bit_for_bit(stop):
+def test_flat_outer_checkpoint_continues_bit_for_bit(stop, warmup):
     import safetensors.torch
-    cfg = OuterConfig(lr=0.8, momentum=0.5, group=4)
+    cfg = OuterConfig(lr=0.8, momentum=0.5, group=4, warmup=warmup)
     lazy = FlatOuter.from_state(OuterState.fresh(params(0)), lazy=True)
     rng = np.random.default_rng(0)
     deltas = [flat(random_delta(rng, i)) for i in range(30)]
@@ -278,16 +280,18 @@ def test_flat_outer_checkpoint_continues_bit_for_bit(stop):
     tensors, meta = lazy.checkpoint()
     raw = safetensors.torch.save({k: v.contiguous() for k, v in tensors.items()}, metadata=meta)
     header = json.loads(raw[8:8 + int.from_bytes(raw[:8], "little")])["__metadata__"]
-    back = FlatOuter.from_checkpoint(safetensors.torch.load(raw), header, in_group=lazy.in_group, lazy=True)
-    assert (back.scale, back.carry, back.in_group, len(back.pending), back.applied) == \
-        (lazy.scale, lazy.carry, lazy.in_group, len(lazy.pending), lazy.applied)
+    back = FlatOuter.from_checkpoint(safetensors.torch.load(raw), header, in_group=lazy.in_group,
+                                     groups=lazy.groups, lazy=True)
+    assert (back.scale, back.carry, back.in_group, back.groups, len(back.pending), back.applied) == \
+        (lazy.scale, lazy.carry, lazy.in_group, lazy.groups, len(lazy.pending), lazy.applied)
     assert set(back.dense_acc) == set(lazy.dense_acc)
     assert all(torch.equal(back.dense_acc[key], run) for key, run in lazy.dense_acc.items())
     for d in deltas[stop:]:
         lazy.apply(d, weight=0.9, cfg=cfg)
         back.apply(d, weight=0.9, cfg=cfg)
     assert torch.equal(lazy.t, back.t) and torch.equal(lazy.m, back.m)
-    assert (lazy.scale, lazy.carry) == (back.scale, back.carry)
+    assert (lazy.scale, lazy.carry, lazy.groups) == (back.scale, back.carry, back.groups)
+    assert back.groups == 30 // 4  # one per momentum step
 
 
 def test_flat_outer_from_a_mid_group_plain_state():
@@ -422,10 +426,10 @@ def test_published_is_theta_at_a_group_boundary_and_without_lookahead():
 
 def test_lookahead_gain():
     cfg = OuterConfig(lr=0.8, group=4)
-    assert lookahead_gain(0, cfg) == 0.0 and lookahead_gain(4, cfg) == 0.0
-    assert lookahead_gain(1, cfg) == pytest.approx(0.8 * 0.75)
-    assert lookahead_gain(3, cfg) == pytest.approx(0.8 * (1 / 3 - 1 / 4))
-    assert lookahead_gain(1, OuterConfig(group=1)) == 0.0  # every delta closes its group
+    assert lookahead_gain(0, cfg, groups=0) == 0.0 and lookahead_gain(4, cfg, groups=0) == 0.0
+    assert lookahead_gain(1, cfg, groups=0) == pytest.approx(0.8 * 0.75)
+    assert lookahead_gain(3, cfg, groups=9) == pytest.approx(0.8 * (1 / 3 - 1 / 4))
+    assert lookahead_gain(1, OuterConfig(group=1), groups=0) == 0.0  # every delta closes its group
 
 
 def test_stale_deltas_pull_the_published_model_by_their_weight():
@@ -462,3 +466,142 @@ def test_flat_outer_publishes_what_the_plain_rule_does(lazy, momentum):
     before = fl.weights_flat().clone()
     fl.published_flat(cfg)
     assert torch.equal(fl.weights_flat(), before)  # reading it changes nothing
+
+
+# -- the outer warm-up: the first `warmup` groups ramp the outer lr ---------------------------------
+
+
+def test_group_lr_ramps_linearly_then_holds():
+    cfg = OuterConfig(lr=0.7, warmup=4)
+    assert [group_lr(k, cfg) for k in range(6)] == [0.7 * 1 / 4, 0.7 * 2 / 4, 0.7 * 3 / 4, 0.7, 0.7, 0.7]
+    assert all(group_lr(k, OuterConfig(lr=0.7)) == 0.7 for k in (0, 1, 10**9))  # warmup 0: none
+    assert group_lr(0, OuterConfig(lr=0.7, warmup=1)) == 0.7
+    with pytest.raises(ValueError, match="groups"):
+        group_lr(-1, cfg)
+    with pytest.raises(ValidationError, match="warmup"):
+        OuterConfig(warmup=-1)
+
+
+def rule_with_lrs(p0: dict[str, torch.Tensor], rounds: list[list[dict[str, torch.Tensor]]], lrs: list[float],
+                  cfg: OuterConfig) -> dict[str, torch.Tensor]:
+    """The module docstring's arithmetic written out, one explicit lr per group (dense deltas, weight 1):
+    the same float operations in the same order as apply_delta, so the two agree bit for bit."""
+    theta = {n: t.clone() for n, t in p0.items()}
+    m = {n: torch.zeros_like(t) for n, t in p0.items()}
+    for grads, lr in zip(rounds, lrs, strict=True):
+        acc = {n: torch.zeros_like(t) for n, t in p0.items()}
+        for g in grads:
+            for n in p0:
+                theta[n].view(-1).sub_(g[n].reshape(-1), alpha=lr / cfg.group)
+                acc[n].view(-1).add_(g[n].reshape(-1))
+        for n in p0:
+            if cfg.nesterov:
+                m[n].mul_(cfg.momentum).add_(acc[n], alpha=1.0 / cfg.group)
+                theta[n].sub_(m[n], alpha=lr * cfg.momentum)
+            else:
+                theta[n].sub_(m[n], alpha=lr * cfg.momentum)
+                m[n].mul_(cfg.momentum).add_(acc[n], alpha=1.0 / cfg.group)
+    return theta
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+@pytest.mark.parametrize("warmup", [0, 1, 3])
+def test_group_k_runs_at_exactly_its_ramped_lr(warmup, nesterov):
+    """warmup 0 (and 1) is the rule without a warm-up bit for bit; warmup N runs group k at exactly
+    lr * (k + 1) / N until it reaches lr."""
+    cfg = OuterConfig(lr=0.7, momentum=0.9, nesterov=nesterov, group=2, warmup=warmup)
+    p0 = params(0)
+    rounds = [[params(100 * r + i + 1) for i in range(2)] for r in range(5)]
+    state = OuterState.fresh(p0)
+    for k, grads in enumerate(rounds):
+        assert state.groups == k
+        for g in grads:
+            apply_delta(state, dense_delta(g), weight=1.0, cfg=cfg)
+    assert (state.groups, state.in_group) == (5, 0)
+    lrs = [0.7 * (k + 1) / warmup if k + 1 < warmup else 0.7 for k in range(5)]
+    assert (lrs[:2] == [0.7 / 3, 0.7 * 2 / 3]) == (warmup == 3)
+    want = rule_with_lrs(p0, rounds, lrs, cfg)
+    for n in SHAPES:
+        assert torch.equal(state.params[n], want[n]), n
+    if warmup == 3:  # and a rule that ignored the warm-up would differ
+        flat_lr = rule_with_lrs(p0, rounds, [0.7] * 5, cfg)
+        assert not all(torch.equal(state.params[n], flat_lr[n]) for n in SHAPES)
+
+
+def test_warmup_matches_torch_sgd_with_the_lr_ramped_per_step():
+    """G deltas from one base per group == torch's Nesterov SGD on their average, its lr set per step."""
+    cfg = OuterConfig(lr=0.7, momentum=0.9, group=3, warmup=4)
+    p0 = params(0)
+    state = OuterState.fresh(p0)
+    ref = {n: torch.nn.Parameter(t.clone()) for n, t in p0.items()}
+    opt = torch.optim.SGD(list(ref.values()), lr=cfg.lr, momentum=cfg.momentum, nesterov=True)
+    for rnd in range(6):
+        grads = [params(100 * rnd + i + 1) for i in range(3)]
+        for g in grads:
+            apply_delta(state, dense_delta(g), weight=1.0, cfg=cfg)
+        for n, p in ref.items():
+            p.grad = torch.stack([g[n] for g in grads]).mean(0)
+        opt.param_groups[0]["lr"] = cfg.lr * min(1.0, (rnd + 1) / 4)
+        opt.step()
+        for n in SHAPES:
+            torch.testing.assert_close(state.params[n], ref[n].detach(), atol=1e-5, rtol=1e-5)
+
+
+def test_the_lookahead_uses_the_open_groups_lr():
+    """Mid-group, published = the group's start - its lr * the mean of its deltas so far."""
+    cfg = OuterConfig(lr=1.0, momentum=0.0, group=4, warmup=4)
+    state = OuterState.fresh(params(0))
+    for i in range(4):  # group 0, at lr 1/4
+        apply_delta(state, dense_delta(params(i + 1)), weight=1.0, cfg=cfg)
+    start = {n: t.clone() for n, t in state.params.items()}
+    g1, g2 = params(11), params(12)
+    for g in (g1, g2):  # group 1, at lr 2/4
+        apply_delta(state, dense_delta(g), weight=1.0, cfg=cfg)
+    assert (state.groups, state.in_group) == (1, 2)
+    assert lookahead_gain(2, cfg, groups=1) == 0.5 * (1 / 2 - 1 / 4)
+    pub = published(state, cfg)
+    for n in SHAPES:
+        torch.testing.assert_close(state.params[n], start[n] - 0.5 * (g1[n] + g2[n]) / 4)
+        torch.testing.assert_close(pub[n], start[n] - 0.5 * (g1[n] + g2[n]) / 2)
+
+
+@pytest.mark.parametrize("lazy", [True, False])
+@pytest.mark.parametrize("momentum", [0.2, 0.9])
+@pytest.mark.parametrize("nesterov", [True, False])
+@pytest.mark.parametrize("group", [1, 3])
+def test_flat_outer_warms_up_as_apply_delta_does(lazy, momentum, nesterov, group):
+    """Through and past a warm-up, every delta kind: the lazy form within the usual tolerance, the
+    plain form bit for bit, weights, momentum, counters and the published model alike."""
+    cfg = OuterConfig(lr=0.7, momentum=momentum, nesterov=nesterov, group=group, warmup=7)
+    ref = OuterState.fresh(params(0))
+    fl = FlatOuter.from_state(ref, lazy=lazy)
+    rng = np.random.default_rng(group)
+    for i in range(45):
+        d = random_delta(rng, i)
+        w = staleness_weight(i % 9, cfg) * (0.5 if i % 7 == 0 else 1.0)
+        apply_delta(ref, d, weight=w, cfg=cfg)
+        fl.apply(flat(d), weight=w, cfg=cfg)
+        assert_same_state(fl, ref, tol=2e-5 if lazy else 0)
+        want, got = published(ref, cfg), fl.views(fl.published_flat(cfg))
+        for n in SHAPES:
+            if lazy:
+                torch.testing.assert_close(got[n], want[n], atol=2e-5, rtol=2e-5)
+            else:
+                assert torch.equal(got[n], want[n]), (i, n)
+    assert fl.groups == ref.groups == 45 // group > cfg.warmup  # through the ramp and past it
+
+
+@pytest.mark.parametrize("lazy", [True, False])
+def test_flat_outer_takes_a_warmup_change_mid_group(lazy):
+    """The config's warm-up changed between two deltas of one group: the deferred shares are settled
+    at the old lr, the rest at the new, as apply_delta does with the config of each call."""
+    cfgs = [OuterConfig(lr=0.8, momentum=0.9, group=4, warmup=w) for w in (10, 0, 30)]
+    ref = OuterState.fresh(params(0))
+    fl = FlatOuter.from_state(ref, lazy=lazy)
+    rng = np.random.default_rng(3)
+    for i in range(30):
+        cfg = cfgs[0] if i < 10 else cfgs[1] if i < 18 else cfgs[2]  # switches at deltas 10 and 18: mid-group
+        d = random_delta(rng, i)
+        apply_delta(ref, d, weight=1.0, cfg=cfg)
+        fl.apply(flat(d), weight=1.0, cfg=cfg)
+        assert_same_state(fl, ref, tol=2e-5 if lazy else 0)

@@ -78,6 +78,13 @@ def int4(scales, q) -> bytes:
     return f32(scales) + bytes(lo | (hi << 4) for lo, hi in zip(nib[0::2], nib[1::2]))
 
 
+def int2(levels, codes) -> bytes:
+    """levels: (lo, hi) per block; codes 0..3 (bit 0: hi, bit 1: negative), four to a byte, low bits first."""
+    codes = list(codes) + [0] * (-len(codes) % 4)
+    return f32([x for pair in levels for x in pair]) + bytes(
+        a | (b << 2) | (c << 4) | (d << 6) for a, b, c, d in zip(*(codes[j::4] for j in range(4))))
+
+
 def good_entry_w() -> bytes:
     """A valid PACKED/FP32 entry for 'w' (numel 35, 6-bit indices)."""
     return entry("w", IndexKind.PACKED, ValueKind.FP32, 35, 3, packed([0, 17, 34], 6), f32([1.0, -2.0, 0.5]))
@@ -119,6 +126,13 @@ def assert_within_bound(kind: ValueKind, sent, got) -> None:
     if kind is ValueKind.FP16:
         # round to nearest: half an ulp, 2^-11 relative for normal halves, 2^-25 absolute below 2^-14
         bound = np.maximum(np.abs(sent.astype(np.float64)) * 2.0 ** -11, 2.0 ** -25)
+    elif kind is ValueKind.INT2:
+        # both magnitudes lie within the block's largest; the sign is kept (test_int2_* pin more)
+        k = sent.size
+        padded = np.zeros(-(-k // BLOCK) * BLOCK, dtype=np.float64)
+        padded[:k] = np.abs(sent)
+        bound = np.repeat(padded.reshape(-1, BLOCK).max(axis=1), BLOCK)[:k] * (1 + 1e-6) + 1e-37
+        assert np.all(got[sent > 0] >= 0) and np.all(got[sent < 0] <= 0)
     else:
         qmax = {ValueKind.INT8: 127, ValueKind.INT4: 7}[kind]
         k = sent.size
@@ -514,7 +528,7 @@ def test_fewer_entries_than_declared():
     expect_error(envelope(body(good_entry_w(), n_entries=2)), "truncated body while reading a name length")
 
 
-@pytest.mark.parametrize("ik,vk", [(3, 0), (255, 0), (0, 4), (2, 200)])
+@pytest.mark.parametrize("ik,vk", [(3, 0), (255, 0), (0, 5), (2, 200)])
 def test_unknown_kinds(ik, vk):
     e = entry("w", ik, vk, 35, 3, packed([0, 1, 2], 6), f32([1, 2, 3]))
     expect_error(envelope(body(e)), f"unknown codec \\(index kind {ik}, value kind {vk}\\)")
@@ -579,7 +593,8 @@ def test_truncated_sections():
     short_idx = entry("w", IndexKind.PACKED, ValueKind.FP32, 35, 3, packed([0, 1, 2], 6)[:2])
     expect_error(envelope(body(short_idx)), "truncated packed indices")
     for vk, section in [(ValueKind.FP32, f32([1, 2])), (ValueKind.FP16, f16([1, 2])),
-                        (ValueKind.INT8, int8([1.0], [1, 2])), (ValueKind.INT4, int4([1.0], [1, 2])[:4])]:
+                        (ValueKind.INT8, int8([1.0], [1, 2])), (ValueKind.INT4, int4([1.0], [1, 2])[:4]),
+                        (ValueKind.INT2, int2([(0.5, 1.0)], [1, 2, 3])[:8]), (ValueKind.INT2, f32([0.5]))]:
         e = entry("w", IndexKind.PACKED, vk, 35, 3, packed([0, 1, 2], 6), section)
         expect_error(envelope(body(e)), f"truncated {vk.name} values")
     header_cut = entry("w", IndexKind.PACKED, ValueKind.FP32, 35, 3)[:-5]
@@ -895,3 +910,101 @@ def test_block_quantisers_give_the_per_value_codes(values, zero_first_block):
         want_scales, want_q = _reference_codes(values, codec.qmax)
         assert scales.tobytes() == want_scales.tobytes()
         np.testing.assert_array_equal(q, want_q)
+
+
+# ---------------------------------------------------------------------------------------------
+# INT2: two fitted magnitudes per block
+
+
+def _int2_levels(section: bytes, k: int) -> np.ndarray:
+    """(nblocks, 2) of (lo, hi), read from the documented layout."""
+    n = -(-k // BLOCK)
+    return np.array(struct.unpack_from(f"<{2 * n}f", section), dtype=np.float64).reshape(n, 2)
+
+
+@settings(max_examples=200, deadline=None)
+@given(hnp.arrays(np.float32, st.integers(1, 700),
+                  elements=st.floats(-2.0 ** 100, 2.0 ** 100, allow_nan=False, allow_subnormal=False, width=32)))
+def test_int2_sends_each_value_as_its_sign_and_the_nearer_of_its_blocks_magnitudes(values):
+    codec = VALUE_CODECS[ValueKind.INT2]
+    section = codec.encode(values)
+    assert len(section) == codec.nbytes(values.size) == 8 * -(-values.size // BLOCK) + -(-values.size // 4)
+    got, used = codec.decode(memoryview(section), values.size)
+    assert used == len(section) and got.dtype == np.float32 and np.all(np.isfinite(got))
+    levels = _int2_levels(section, values.size)
+    assert np.all(0 <= levels[:, 0]) and np.all(levels[:, 0] <= levels[:, 1])
+    lo, hi = (np.repeat(levels[:, j], BLOCK)[:values.size] for j in (0, 1))
+    mag = np.abs(values.astype(np.float64))
+    assert np.all(hi <= np.repeat([mag[i:i + BLOCK].max() for i in range(0, mag.size, BLOCK)], BLOCK)[:mag.size])
+    nearer = np.minimum(np.abs(mag - lo), np.abs(mag - hi))
+    np.testing.assert_allclose(np.abs(np.abs(got) - mag), nearer, rtol=1e-6, atol=0)
+    assert np.all(got[values > 0] >= 0) and np.all(got[values < 0] <= 0)
+
+
+def _topk(x: np.ndarray, fraction: float) -> np.ndarray:
+    k = int(x.size * fraction)
+    return x[np.sort(np.argpartition(np.abs(x), -k)[-k:])]
+
+
+@pytest.mark.parametrize("what,bound,grid_error", [
+    ("gauss", 0.35, 0.55), ("top1%", 0.065, 0.35), ("top2%", 0.075, 0.35), ("top3%", 0.08, 0.35)])
+def test_int2_relative_error_on_dense_and_topk_values(what, bound, grid_error):
+    """The errors the codec's docstring states; and a grid {-3,-1,1,3} * absmax/3 with the same bits
+    (levels anchored at 0) does far worse, the reason for the fitted magnitudes."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal(200 * BLOCK if what == "gauss" else 1_000_000).astype(np.float32)
+    values = x if what == "gauss" else _topk(x, float(what[3:-1]) / 100)
+    codec = VALUE_CODECS[ValueKind.INT2]
+    got, _ = codec.decode(memoryview(codec.encode(values)), values.size)
+    rel = np.linalg.norm(got - values) / np.linalg.norm(values)
+    assert 0.5 * bound < rel < bound
+    blocks = np.abs(np.pad(values, (0, -values.size % BLOCK))).reshape(-1, BLOCK)
+    step = np.repeat(blocks.max(axis=1) / 3, BLOCK)[:values.size]
+    grid = np.sign(values) * np.where(np.abs(values) >= 2 * step, 3, 1) * step
+    assert np.linalg.norm(grid - values) / np.linalg.norm(values) > grid_error
+
+
+def test_int2_hand_built_section_and_edges():
+    # block 1: lo 0.5, hi 2; codes: +lo, +hi, -lo, -hi, then a padded tail in the last byte
+    e = entry("w", IndexKind.PACKED, ValueKind.INT2, 35, 5, packed([0, 1, 2, 3, 34], 6),
+              int2([(0.5, 2.0)], [0, 1, 2, 3, 1]))
+    assert decode(envelope(body(e)), schema=SCHEMA).entries[0].values.tolist() == [0.5, 2.0, -0.5, -2.0, 2.0]
+    codec = VALUE_CODECS[ValueKind.INT2]
+    for values in (np.zeros(35, np.float32), np.full(3, -4.0, np.float32)):  # all zero; all one magnitude
+        got, _ = codec.decode(memoryview(codec.encode(values)), values.size)
+        np.testing.assert_array_equal(got, values)
+    # two blocks, fitted apart: the second block's tiny values keep their own magnitudes
+    values = np.concatenate([np.full(BLOCK, 100.0), np.tile([1e-3, -3e-3], 10)]).astype(np.float32)
+    got, _ = codec.decode(memoryview(codec.encode(values)), values.size)
+    np.testing.assert_allclose(got, values, rtol=1e-6)
+
+
+@pytest.mark.parametrize("levels,match", [
+    ([(-1.0, 1.0)], "scales must not be negative"), ([(math.nan, 1.0)], "scales contain NaN or Inf"),
+    ([(0.5, math.inf)], "scales contain NaN or Inf"), ([(2.0, 1.0)], "lo exceeds its hi"),
+])
+def test_int2_bad_levels(levels, match):
+    e = entry("w", IndexKind.PACKED, ValueKind.INT2, 35, 3, packed([0, 1, 2], 6), int2(levels, [0, 1, 3]))
+    expect_error(envelope(body(e)), match, cls=DeltaMismatchError)
+    assert_decoders_agree(envelope(body(e)))
+
+
+def test_int2_bad_levels_in_a_later_block():
+    q = [1] * 300
+    e = entry("emb", IndexKind.PACKED, ValueKind.INT2, 320, 300, packed(range(300), 9),
+              int2([(0.5, 1.0), (1.0, -1.0)], q))
+    expect_error(envelope(body(e)), "negative", cls=DeltaMismatchError)
+
+
+@given(st.integers(1, 600), st.binary(min_size=0, max_size=400))
+@FAST
+def test_int2_decoder_on_random_sections_refuses_or_returns_finite_values(k, raw):
+    codec = VALUE_CODECS[ValueKind.INT2]
+    try:
+        got, used = codec.decode(memoryview(raw), k)
+    except DeltaFormatError:
+        return
+    assert used == codec.nbytes(k) <= len(raw)
+    assert got.shape == (k,) and got.dtype == np.float32 and np.all(np.isfinite(got))
+    levels = _int2_levels(raw, k)
+    assert np.all(np.abs(got) <= np.repeat(levels[:, 1], BLOCK)[:k])
