@@ -2,10 +2,13 @@
 
     corpus_dir      a small folder of repetitive text files (fast to load, loss falls quickly)
     run_config      factory of tiny RunConfig dicts (one layer, width 32, context 32, 3 steps)
-    db_url          the test's database: None (SQLite in the data dir) or a fresh PostgreSQL schema;
+    db_url          the test's database: None (SQLite in the data dir) or a fresh, empty PostgreSQL schema;
                     every test that uses `settings`, `open_api` or `api` runs on both
-    settings        CoordinatorSettings on a tmp data dir (and db_url's database); corpus_dir is an
-                    allowed corpus folder; the admin token is generated in the data dir
+    app_db_url      like db_url, but already at the newest migration with every table empty (what the
+                    apps of `settings`, `open_api` and `api` start on: their start skips the migrations)
+    settings        CoordinatorSettings on a tmp data dir (and app_db_url's database; on SQLite a copy of
+                    a migrated, empty database file); corpus_dir is an allowed corpus folder; the admin
+                    token is generated in the data dir
     open_api        context manager: a TestClient over create_app(start_merger=False), wrapped in Api;
                     requests go to Host 127.0.0.1 (the coordinator refuses names it does not know)
     api             open_api(settings) for the length of one test
@@ -24,6 +27,7 @@ import copy
 import hashlib
 import os
 import random
+import shutil
 import struct
 import uuid
 import warnings
@@ -64,7 +68,7 @@ def pytest_configure(config: pytest.Config) -> None:
 # -- the database backends ----------------------------------------------------------------------
 
 PG_URL = os.environ.get("IDLETRAIN_TEST_POSTGRES", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
-DB_FIXTURES = {"settings", "open_api", "api", "db_url"}
+DB_FIXTURES = {"settings", "open_api", "api", "db_url", "app_db_url"}
 _pg: dict[str, object] = {}
 
 
@@ -109,6 +113,120 @@ def fresh_database(backend: str) -> Iterator[str | None]:
         admin.dispose()
 
 
+# -- databases already at the newest migration ---------------------------------------------------
+# Every app a test opens would otherwise run all the migrations on an empty database first (a few
+# tenths of a second each, over a thousand times a suite). The migrations themselves are tested on
+# empty databases (test_migrations.py, and every real `serve` process of tests/e2e).
+
+_migrated: dict[str, object] = {}  # this process's "sqlite" template file, "free" schemas, "admin" engine, "head"
+
+
+def _schema_url(schema: str) -> str:
+    return f"{PG_URL}?options=-csearch_path%3D{schema}"
+
+
+def _sqlite_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A SQLite database file at the newest migration, every table empty (made once per process)."""
+    if "sqlite" not in _migrated:
+        from coordinator.db import init_db, make_engine
+
+        path = tmp_path_factory.mktemp("migrated") / "idletrain.sqlite3"
+        engine = make_engine(f"sqlite:///{path}")
+        init_db(engine)
+        engine.dispose()  # the last connection's close folds the write-ahead log into the file
+        _migrated["sqlite"] = path
+    return _migrated["sqlite"]  # type: ignore[return-value]
+
+
+def _admin():
+    """This process's engine on PG_URL, for making, emptying and dropping schemas."""
+    if "admin" not in _migrated:
+        from sqlalchemy import create_engine
+
+        _migrated["admin"] = create_engine(PG_URL, pool_size=1)
+    return _migrated["admin"]
+
+
+def _new_migrated_schema() -> str:
+    from sqlalchemy import text
+
+    from coordinator.db import init_db, make_engine
+
+    schema = f"m_{uuid.uuid4().hex[:16]}"
+    with _admin().begin() as conn:
+        conn.execute(text(f'CREATE SCHEMA "{schema}"'))
+    engine = make_engine(_schema_url(schema))
+    init_db(engine)
+    engine.dispose()
+    return schema
+
+
+def _emptied(schema: str) -> bool:
+    """Empty every table of a schema a test is done with (and restart its sequences), so another
+    test can start on it; False (the caller drops it) unless it is as the migrations left it: the
+    models' tables and no others, at the newest revision, no process holding its merger lock, and
+    few rows deleted (the dead ones would slow the next test's scans until a vacuum)."""
+    from sqlalchemy import text
+
+    from coordinator import leader, migrate
+    from coordinator.models import Base
+
+    if "head" not in _migrated:
+        _migrated["head"] = migrate.head()
+    try:
+        with _admin().begin() as conn:
+            conn.execute(text(f"SET LOCAL search_path TO \"{schema}\"; SET LOCAL lock_timeout = '5s'"))
+            tables = set(conn.execute(text("SELECT table_name FROM information_schema.tables "
+                                           "WHERE table_schema = current_schema()")).scalars())
+            if tables != {t.name for t in Base.metadata.sorted_tables} | {"alembic_version"}:
+                return False
+            if conn.execute(text("SELECT version_num FROM alembic_version")).scalar() != _migrated["head"]:
+                return False
+            if conn.execute(text("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted "
+                                 "AND classid = :cls AND objid = hashtext(current_database() || '/' || "
+                                 "current_schema())::oid"), {"cls": leader.LOCK_CLASS}).scalar():
+                return False
+            deleted = sum(conn.execute(table.delete()).rowcount  # referencing rows first
+                          for table in reversed(Base.metadata.sorted_tables))
+            if deleted > 1000:  # its dead rows would slow the next test's scans: a fresh schema instead
+                return False
+            for seq in conn.execute(text("SELECT sequence_name FROM information_schema.sequences "
+                                         "WHERE sequence_schema = current_schema()")).scalars().all():
+                conn.execute(text(f'ALTER SEQUENCE "{seq}" RESTART'))
+        return True
+    except Exception:
+        return False
+
+
+def _drop_schema(schema: str) -> None:
+    from sqlalchemy import text
+
+    with _admin().begin() as conn:
+        conn.execute(text(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE'))
+
+
+@contextlib.contextmanager
+def migrated_database(backend: str) -> Iterator[str | None]:
+    """A PostgreSQL schema at the newest migration with every table empty (emptied and kept for the
+    next test after; dropped when the session ends), or None for SQLite; skips the test when
+    PostgreSQL cannot be reached."""
+    if backend == "sqlite":
+        yield None
+        return
+    reason = postgres_reason()
+    if reason:
+        pytest.skip(reason)
+    free: list[str] = _migrated.setdefault("free", [])  # type: ignore[assignment]
+    schema = free.pop() if free else _new_migrated_schema()
+    try:
+        yield _schema_url(schema)
+    finally:
+        if _emptied(schema):
+            free.append(schema)
+        else:
+            _drop_schema(schema)
+
+
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     # A module whose fixtures pick the backend themselves (module-scoped apps) says so.
     if getattr(metafunc.module, "OWN_DB_BACKENDS", False):
@@ -132,6 +250,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
 def pytest_sessionfinish(session, exitstatus) -> None:
     # every process a test started (tests/procs.py) and did not stop, with its children: none outlives the suite
     procs.kill_leftovers()
+    for schema in _migrated.pop("free", []):  # type: ignore[union-attr]
+        _drop_schema(schema)
 
 
 def _skip_reason(report) -> str:
@@ -143,6 +263,13 @@ def _skip_reason(report) -> str:
 def db_url(db_backend: str) -> Iterator[str | None]:
     """A fresh, empty PostgreSQL schema for this test (dropped after), or None for SQLite."""
     with fresh_database(db_backend) as url:
+        yield url
+
+
+@pytest.fixture
+def app_db_url(db_backend: str) -> Iterator[str | None]:
+    """A PostgreSQL schema at the newest migration, every table empty, or None for SQLite."""
+    with migrated_database(db_backend) as url:
         yield url
 
 
@@ -200,8 +327,13 @@ def run_config(corpus_dir: Path):
 
 
 @pytest.fixture
-def settings(tmp_path: Path, db_url: str | None, corpus_dir: Path) -> CoordinatorSettings:
-    return CoordinatorSettings(data_dir=tmp_path / "coordinator", database_url=db_url, corpus_dirs=[corpus_dir])
+def settings(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, app_db_url: str | None,
+             corpus_dir: Path) -> CoordinatorSettings:
+    data_dir = tmp_path / "coordinator"
+    if app_db_url is None:  # SQLite in the data dir: a copy of the migrated, empty database
+        data_dir.mkdir()
+        shutil.copyfile(_sqlite_template(tmp_path_factory), data_dir / "idletrain.sqlite3")
+    return CoordinatorSettings(data_dir=data_dir, database_url=app_db_url, corpus_dirs=[corpus_dir])
 
 
 # What the in-process app is asked for: a loopback name, as a local worker would (the default
@@ -292,15 +424,15 @@ class Api:
 
 
 @pytest.fixture
-def open_api(db_url: str | None, corpus_dir: Path):
+def open_api(app_db_url: str | None, corpus_dir: Path):
     """open_api(settings) -> context manager yielding an Api; leaving it shuts the app down.
     Settings without a database URL get the test's (so every API test runs on both backends), and
     settings that allow no corpus folder allow corpus_dir."""
 
     @contextlib.contextmanager
     def _open(settings: CoordinatorSettings) -> Iterator[Api]:
-        if settings.database_url is None and db_url is not None:
-            settings = settings.model_copy(update={"database_url": db_url})
+        if settings.database_url is None and app_db_url is not None:
+            settings = settings.model_copy(update={"database_url": app_db_url})
         if not settings.corpus_dirs:
             settings = settings.model_copy(update={"corpus_dirs": [corpus_dir]})
         with TestClient(create_app(settings, start_merger=False), base_url=BASE_URL) as client:

@@ -6,11 +6,10 @@ from __future__ import annotations
 import base64
 import hashlib
 import re
-import time
 from datetime import timedelta
 
 import pytest
-from sqlalchemy import insert, select, update
+from sqlalchemy import event, insert, select, update
 
 from coordinator.models import DeltaRecord, EvalResult, Lease, Run, Shard, Worker, utcnow
 from shared import protocol
@@ -126,7 +125,7 @@ def test_dashboard_of_a_fresh_run_and_of_none(api, run):
 
 
 def test_dashboard_stays_small_and_fast_with_hundreds_of_workers(api, run):
-    """600 workers, 6000 recent deltas, 1200 evaluations: capped lists, a quick answer."""
+    """600 workers, 6000 recent deltas, 1200 evaluations: capped lists, a bounded number of queries."""
     n_workers, per_worker, n_evals = 600, 10, 1200
     now = utcnow()
     with api.db() as s:
@@ -152,12 +151,20 @@ def test_dashboard_stays_small_and_fast_with_hundreds_of_workers(api, run):
         s.execute(update(Run).where(Run.id == run_id).values(next_seq=len(lease_ids) + 1))
         s.commit()
     dashboard(api)  # warm
-    t0 = time.perf_counter()
-    d = dashboard(api)
-    elapsed = time.perf_counter() - t0
+    statements = []
+    engine = api.coordinator.db.engine
+    listener = lambda *args: statements.append(args[2])  # noqa: E731 (conn, cursor, statement, ...)
+    event.listen(engine, "before_cursor_execute", listener)
+    try:
+        d = dashboard(api)
+    finally:
+        event.remove(engine, "before_cursor_execute", listener)
     assert len(d["leaderboard"]) == 100 and d["leaderboard"][0]["name"] == f"w{n_workers - 1}"
     assert len(d["teams"]) == 50 and len(d["live_workers"]) == 200 and d["workers_live"] == n_workers
     assert all(w["tokens_per_s"] is not None for w in d["live_workers"])
     assert len(d["evals"]) == 500
     assert (d["evals"][0]["version"], d["evals"][-1]["version"]) == (0, n_evals - 1)
-    assert elapsed < 2.0, f"the dashboard took {elapsed:.2f} s"
+    # quick because its queries do not grow with the workers, leases or deltas (no query per row); its
+    # time is a benchmark's matter, not a unit test's
+    print(f"{len(statements)} statements")
+    assert len(statements) <= 40, statements
