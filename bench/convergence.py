@@ -91,8 +91,10 @@ def methods_for(p: Profile, *, workers: int, hetero: float = 1.0) -> list[Method
                                 outer=outer.model_copy(update={"lookahead": False})),
             dataclasses.replace(int8, name=f"{int8.name}, synchronous (every round waits for all)", barrier=True),
         ]
-    if hetero != 1.0:  # the default method again with workers of unequal speed, side by side
-        methods.append(dataclasses.replace(default, name=f"{default.name}, speeds 1-{hetero:g}x", speed_spread=hetero))
+    if hetero != 1.0:  # the default method again with workers of unequal speed, side by side, and with
+        # each worker's H scaled by its speed (Async Local-SGD's dynamic local steps)
+        uneven = dataclasses.replace(default, name=f"{default.name}, speeds 1-{hetero:g}x", speed_spread=hetero)
+        methods += [uneven, dataclasses.replace(uneven, name=f"{uneven.name}, dynamic H", dynamic_h=True)]
     return methods
 
 

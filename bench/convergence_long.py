@@ -32,7 +32,7 @@ import torch
 
 from bench.moments import MomentSchedule
 from bench.sim import Method, Result, Setup, ddp_bytes_per_worker, run_method
-from shared.config import CompressionConfig, InnerConfig, OuterConfig, RunConfig
+from shared.config import CompressionConfig, InnerConfig, RunConfig
 from shared.data import load_corpus
 from shared.model import ModelConfig, build_model, count_params
 
@@ -86,20 +86,17 @@ def algorithm_methods(p: LongProfile, workers: int) -> list[Method]:
     outer = default.outer
     rows = [dataclasses.replace(default, name=f"Nesterov 0.9, outer lr {lr:g}",
                                 outer=outer.model_copy(update={"lr": lr, "momentum": 0.9})) for lr in (0.4, 0.7, 1.0)]
-    if "warmup" in OuterConfig.model_fields:  # the merge rule's outer lr warm-up
-        rows.append(dataclasses.replace(default, name="Nesterov 0.9, outer lr 0.7, warm-up 10 rounds",
-                                        outer=outer.model_copy(update={"lr": 0.7, "momentum": 0.9, "warmup": 10})))
+    rows.append(dataclasses.replace(default, name="Nesterov 0.9, outer lr 0.7, warm-up 10 rounds",
+                                    outer=outer.model_copy(update={"lr": 0.7, "momentum": 0.9, "warmup": 10})))
     rows += [
         dataclasses.replace(default, name="DES-LOC: second moments averaged every 6 rounds",
                             moments=MomentSchedule(second=6)),
         dataclasses.replace(default, name="DES-LOC: first moments every 3 rounds, second every 6",
                             moments=MomentSchedule(first=3, second=6)),
     ]
-    if "int2" in CompressionConfig.model_fields["values"].annotation.__args__:  # SparseLoCo's 2-bit values
-        sparse = CompressionConfig(index="topk", fraction=0.02, values="int2", error_feedback=True,
-                                   feedback_decay=0.95)
-        rows.append(dataclasses.replace(default, name="SparseLoCo: top-2% int2, EF decay 0.95, outer lr 1 no momentum",
-                                        compression=sparse, outer=outer.model_copy(update={"lr": 1.0, "momentum": 0.0})))
+    sparse = CompressionConfig(index="topk", fraction=0.02, values="int2", error_feedback=True, feedback_decay=0.95)
+    rows.append(dataclasses.replace(default, name="SparseLoCo: top-2% int2, EF decay 0.95, outer lr 1 no momentum",
+                                    compression=sparse, outer=outer.model_copy(update={"lr": 1.0, "momentum": 0.0})))
     rows += [
         dataclasses.replace(default, name="default, speeds 1-4x", speed_spread=4.0),
         dataclasses.replace(default, name="dynamic H (H x speed / mean), speeds 1-4x", speed_spread=4.0, dynamic_h=True),
@@ -212,7 +209,8 @@ def run(*, profile: str = "long", out: Path = Path("bench-results/convergence-lo
             "tokens_per_row": setup.total_steps * setup.tokens_per_step,
             "tokens_per_param": round(setup.total_steps * setup.tokens_per_step / n_params, 1),
             "rounds_per_worker_at_max_replicas": setup.steps_per_worker // p.H, "jobs": jobs,
-            "rows_trained_now": len(todo), "wall_s": round(time.perf_counter() - t0, 1)}
+            "rows_trained_now": len(todo), "wall_s": round(time.perf_counter() - t0, 1),
+            "rows_wall_s_sum": round(sum(r["wall_s"] for r in ordered), 1)}
     (out / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
     write_markdown(ordered, meta, out / "results.md")
     plot(ordered, out / "loss.png", title=f"python -m bench convergence --profile {profile}")

@@ -12,7 +12,6 @@ Writes results.json, results.md and wallclock.png (bench/wallclock_report.py).
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import statistics
 import time
@@ -25,7 +24,7 @@ from bench.links import Link, spread_links
 from bench.sim import Method, Result, Setup, run_method
 from bench.wallclock_clock import Compute, RowTraffic, curve_on_links
 from bench.wallclock_ddp import run_compressed_ddp
-from bench.wallclock_report import plot, summarise, write_markdown
+from bench.wallclock_report import summarise, write_outputs
 from shared import codec
 from shared.algorithms import sparta
 from shared.algorithms.compress import compress_with_feedback
@@ -211,10 +210,7 @@ def run(*, profile: str = "quick", out: Path = Path("bench-results/wallclock-qui
             "coordinator_mbps": coordinator_mbps, "command": command}
     results = summarise(trained, links=links, meta=meta)
     results["meta"]["total_wall_s"] = round(time.perf_counter() - t_start, 1)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
-    write_markdown(results, out / "results.md")
-    plot(results, out / "wallclock.png")
+    write_outputs(results, out)
     return results
 
 

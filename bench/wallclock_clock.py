@@ -103,4 +103,13 @@ def curve_on_links(curve: Sequence[tuple[int, float]], pattern: str, traffic: Ro
     return {"step_s": worker_step_s(traffic, compute, links[0]), "last_arrival_s": timeline[-1][0], "curve": timed}
 
 
-__all__ = ["Compute", "MAX_EXCHANGES_IN_FLIGHT", "RowTraffic", "curve_on_links", "worker_timeline"]
+def clock_all(trained: Sequence[tuple[object, list[dict]]], compute: Compute, links: Sequence[Sequence[Link]], *,
+              coordinator: Link | None) -> None:
+    """Every run of every (row, runs) pair gets its "clock": its curve on each set of links, in place."""
+    for row, runs in trained:
+        for r in runs:
+            r["clock"] = [curve_on_links(r["result"].curve, row.pattern, r["traffic"], compute, ls,
+                                         coordinator=coordinator) for ls in links]
+
+
+__all__ = ["Compute", "MAX_EXCHANGES_IN_FLIGHT", "RowTraffic", "clock_all", "curve_on_links", "worker_timeline"]

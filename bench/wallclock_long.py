@@ -21,8 +21,8 @@ from bench.convergence_long import LONG_PROFILES, setup_for, tasks_for
 from bench.links import Link
 from bench.sim import Result
 from bench.wallclock import DATACENTER, Row, calibrate_round_s, calibrate_step_s, link_sets
-from bench.wallclock_clock import Compute, RowTraffic, curve_on_links
-from bench.wallclock_report import plot, summarise, write_markdown
+from bench.wallclock_clock import Compute, RowTraffic, clock_all
+from bench.wallclock_report import summarise, write_outputs
 from shared.model import build_model, count_params
 
 DDP = "ddp fp32 (ring all-reduce, overlapped)"
@@ -83,10 +83,7 @@ def run(*, source: Path, out: Path, up_mbps: tuple[float, ...] = (10.0, 100.0, 1
     coordinator = Link.mbit(coordinator_mbps, coordinator_mbps, 0.0) if coordinator_mbps else None
     links = link_sets(up_mbps=list(up_mbps), down_ratio=down_ratio, rtt_ms=rtt_ms, workers=workers, hetero=hetero)
     compute = Compute(step_s=step_s, tokens_per_step=setup.tokens_per_step, workers=workers)
-    for row, runs in trained:
-        for r in runs:
-            r["clock"] = [curve_on_links(r["result"].curve, row.pattern, r["traffic"], compute, ls,
-                                         coordinator=coordinator) for ls in links]
+    clock_all(trained, compute, links, coordinator=coordinator)
     meta = {"profile": f"long (from {source})", "workers": workers, "n_params": conv_meta["n_params"],
             "steps_per_worker": setup.steps_per_worker, "tokens_per_row": conv_meta["tokens_per_row"],
             "batch_per_worker": p.batch, "context": p.model.context, "step_s": round(step_s, 5),
@@ -98,8 +95,5 @@ def run(*, source: Path, out: Path, up_mbps: tuple[float, ...] = (10.0, 100.0, 1
             "links": [ls[0].label() for ls in links], "datacenter_panel": DATACENTER.label(),
             "hetero_link_spread": hetero, "coordinator_mbps": coordinator_mbps, "command": command}
     results = summarise(trained, links=links, meta=meta)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
-    write_markdown(results, out / "results.md")
-    plot(results, out / "wallclock.png")
+    write_outputs(results, out)
     return results

@@ -16,8 +16,8 @@ from pathlib import Path
 from bench.links import Link
 from bench.sim import Method, Result
 from bench.wallclock import DATACENTER, Row, link_sets
-from bench.wallclock_clock import Compute, RowTraffic, curve_on_links
-from bench.wallclock_report import plot, summarise, write_markdown
+from bench.wallclock_clock import Compute, RowTraffic, clock_all
+from bench.wallclock_report import summarise, write_outputs
 
 
 def _traffic(d: dict, scale: float) -> RowTraffic:
@@ -55,18 +55,12 @@ def run(*, source: Path, out: Path, step_ms: float, up_mbps: tuple[float, ...] =
     coordinator = Link.mbit(coordinator_mbps, coordinator_mbps, 0.0) if coordinator_mbps else None
     links = link_sets(up_mbps=list(up_mbps), down_ratio=down_ratio, rtt_ms=rtt_ms, workers=m["workers"], hetero=hetero)
     compute = Compute(step_s=step_ms / 1000, tokens_per_step=m["batch_per_worker"] * m["context"], workers=m["workers"])
-    for row, runs in trained:
-        for r in runs:
-            r["clock"] = [curve_on_links(r["result"].curve, row.pattern, r["traffic"], compute, ls,
-                                         coordinator=coordinator) for ls in links]
+    clock_all(trained, compute, links, coordinator=coordinator)
     meta = {**m, "step_s": round(step_ms / 1000, 5), "step_s_from": f"--step-ms, re-clocked from {source}",
             "compressor_times_scaled_by": round(scale, 4),
             "links": [ls[0].label() for ls in links], "datacenter_panel": DATACENTER.label(),
             "hetero_link_spread": hetero, "coordinator_mbps": coordinator_mbps,
             "command": command or m.get("command", ""), "trained_by": m.get("command", "")}
     results = summarise(trained, links=links, meta=meta)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
-    write_markdown(results, out / "results.md")
-    plot(results, out / "wallclock.png")
+    write_outputs(results, out)
     return results

@@ -3,6 +3,7 @@ equal wall-clock, traffic, the captured-gain fraction; results.json, results.md 
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -151,4 +152,12 @@ def plot(results: dict, path: Path) -> None:
     plt.close(fig)
 
 
-__all__ = ["captured", "loss_at", "plot", "summarise", "time_to", "write_markdown"]
+def write_outputs(results: dict, out: Path) -> None:
+    """results.json, results.md and wallclock.png into out."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+    write_markdown(results, out / "results.md")
+    plot(results, out / "wallclock.png")
+
+
+__all__ = ["captured", "loss_at", "plot", "summarise", "time_to", "write_markdown", "write_outputs"]
