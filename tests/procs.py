@@ -131,15 +131,18 @@ class Idletrain:
         self.started.append(proc)
         return proc
 
-    def train(self, url: str, run: str, *, workers: int, rounds: int, timeout_s: float = 120) -> None:
-        """`worker run` processes w0..w{workers-1} (state in root/worker{i}) for `rounds` rounds each;
-        the test fails unless each exits 0 having delivered them all."""
-        started = [self.spawn(f"worker{i}", "--log-level", "INFO", "worker", "run", "--coordinator", url,
+    def train(self, url: str, run: str, *, workers: int, rounds: int, timeout_s: float = 120,
+              prefix: str = "") -> list[str]:
+        """`worker run` processes w0..w{workers-1} (named PREFIXworker{i}, state in root/PREFIXworker{i})
+        for `rounds` rounds each; the test fails unless each exits 0 having delivered them all.
+        Returns each worker's log."""
+        started = [self.spawn(f"{prefix}worker{i}", "--log-level", "INFO", "worker", "run", "--coordinator", url,
                               "--run", run, "--max-rounds", str(rounds), "--threads", "1", "--device", "cpu",
-                              "--state-dir", str(self.root / f"worker{i}"), "--name", f"w{i}")
+                              "--state-dir", str(self.root / f"{prefix}worker{i}"), "--name", f"w{i}")
                    for i in range(workers)]
+        logs = []
         for i, proc in enumerate(started):
-            log_path = self.logs / f"worker{i}.log"
+            log_path = self.logs / f"{prefix}worker{i}.log"
             try:
                 code = proc.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
@@ -147,6 +150,8 @@ class Idletrain:
             log = log_path.read_text()
             assert code == 0, f"worker {i} exited {code}:\n{log[-3000:]}"
             assert f"worker done: {rounds} rounds delivered" in log, log[-3000:]
+            logs.append(log)
+        return logs
 
     def close(self) -> None:
         for proc in self.started[1:]:

@@ -3,7 +3,6 @@ for the module, and per algorithm a run trained by two `idletrain worker run` pr
 
 from __future__ import annotations
 
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -55,21 +54,7 @@ def test_two_workers_train_each_algorithm_over_loopback(loopback, corpus_dir: Pa
     first = client.get(f"/api/v1/runs/{run}/status").json()
     assert first["version"] == 0 and first["algorithm"] == algorithm and len(first["eval_history"]) == 1
 
-    workers = [lb.spawn(f"{run}-worker{i}", "--log-level", "INFO", "worker", "run", "--coordinator", lb.url,
-                        "--run", run, "--max-rounds", str(ROUNDS), "--threads", "1", "--device", "cpu",
-                        "--state-dir", str(lb.root / f"{run}-worker{i}"), "--name", f"w{i}")
-               for i in range(WORKERS)]
-    logs = []
-    for i, proc in enumerate(workers):
-        path = lb.logs / f"{run}-worker{i}.log"
-        try:
-            code = proc.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"worker {i} did not finish {ROUNDS} rounds:\n{procs.tail(path)}")
-        log = path.read_text()
-        assert code == 0, f"worker {i} exited {code}:\n{log[-3000:]}"
-        assert f"worker done: {ROUNDS} rounds delivered" in log, log[-3000:]
-        logs.append(log)
+    logs = lb.train(lb.url, run, workers=WORKERS, rounds=ROUNDS, prefix=f"{run}-")
 
     acknowledged = WORKERS * ROUNDS
     st = procs.wait_merged(client, run, acknowledged, log=coord_log)

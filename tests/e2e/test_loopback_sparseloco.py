@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import math
 import re
-import subprocess
 from pathlib import Path
 
 import httpx
@@ -57,20 +56,8 @@ def test_two_workers_train_sparseloco_over_loopback(tmp_path: Path, corpus_dir: 
                 "inner": {"steps": STEPS, "batch_size": BATCH, "lr": 3e-3, "warmup_steps": 3},
                 "compression": COMPRESSION, "outer": OUTER})
             assert created.status_code == 201, created.text
-            workers = [lb.spawn(f"worker{i}", "--log-level", "INFO", "worker", "run", "--coordinator", url,
-                                "--run", "sparseloco", "--max-rounds", str(ROUNDS), "--threads", "1",
-                                "--device", "cpu", "--state-dir", str(tmp_path / f"worker{i}"), "--name", f"w{i}")
-                       for i in range(WORKERS)]
-            sent_kb = []
-            for i, proc in enumerate(workers):
-                path = lb.logs / f"worker{i}.log"
-                try:
-                    code = proc.wait(timeout=120)
-                except subprocess.TimeoutExpired:
-                    pytest.fail(f"worker {i} did not finish {ROUNDS} rounds:\n{procs.tail(path)}")
-                log = path.read_text()
-                assert code == 0 and f"worker done: {ROUNDS} rounds delivered" in log, log[-3000:]
-                sent_kb += [float(kb) for kb in re.findall(r"sent ([0-9.]+) KB", log)]
+            logs = lb.train(url, "sparseloco", workers=WORKERS, rounds=ROUNDS)
+            sent_kb = [float(kb) for log in logs for kb in re.findall(r"sent ([0-9.]+) KB", log)]
 
             acknowledged = WORKERS * ROUNDS
             procs.wait_merged(client, "sparseloco", acknowledged, log=coord_log)
