@@ -54,7 +54,8 @@ def test_two_workers_train_sparseloco_over_loopback(tmp_path: Path, corpus_dir: 
                 "name": "sparseloco", "corpus": str(corpus_dir), "shard_tokens": 4096, "eval_tokens": 4096,
                 "eval_every": 2, "epochs": 0, "model": MODEL,
                 "inner": {"steps": STEPS, "batch_size": BATCH, "lr": 3e-3, "warmup_steps": 3},
-                "compression": COMPRESSION, "outer": OUTER})
+                "compression": COMPRESSION, "outer": OUTER,
+                "robust": {"min_agreement": -1.0}})  # why: ROBUST in test_loopback_algorithms.py
             assert created.status_code == 201, created.text
             logs = lb.train(url, "sparseloco", workers=WORKERS, rounds=ROUNDS)
             sent_kb = [float(kb) for log in logs for kb in re.findall(r"sent ([0-9.]+) KB", log)]
