@@ -29,6 +29,7 @@ import os
 import random
 import shutil
 import struct
+import tracemalloc
 import uuid
 import warnings
 from collections.abc import Iterator
@@ -271,6 +272,16 @@ def app_db_url(db_backend: str) -> Iterator[str | None]:
     """A PostgreSQL schema at the newest migration, every table empty, or None for SQLite."""
     with migrated_database(db_backend) as url:
         yield url
+
+
+def peak_bytes(fn) -> int:
+    """The most memory Python and numpy allocations held at once while fn() ran (tracemalloc's peak)."""
+    tracemalloc.start()
+    try:
+        fn()
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
 
 
 def write_corpus(root: Path, *, n_files: int = 40, file_bytes: int = 1000, seed: int = 0) -> Path:

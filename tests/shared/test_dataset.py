@@ -6,7 +6,6 @@ from __future__ import annotations
 import hashlib
 import json
 import random
-import tracemalloc
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +15,7 @@ from shared import dataset, sources
 from shared.dataset import EVAL_BLOCK, open_tokens, prepare, read_manifest, verify
 from shared.sources import Options, SourceError
 from shared.tokenizer import EOT, Tokenizer, token_byte_lengths
+from tests.conftest import peak_bytes
 
 WORDS = "the model learns from bytes while idle machines train one shared network über café 日本".split()
 
@@ -146,15 +146,6 @@ def test_a_tokenizer_file_above_65536_writes_uint32(tmp_path):
     assert (tmp_path / "out" / m.shards[0].file).stat().st_size == 4 * m.shards[0].n_tokens
 
 
-def _peak(fn) -> int:
-    tracemalloc.start()
-    try:
-        fn()
-        return tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
-
-
 def test_a_corpus_larger_than_the_memory_cap(tmp_path):
     """40 MB of text prepared with at most a quarter of it allocated at once (tracemalloc counts
     Python's and numpy's allocations: reading the file, or its tokens, whole would exceed it)."""
@@ -163,7 +154,7 @@ def test_a_corpus_larger_than_the_memory_cap(tmp_path):
         for _ in range((40 << 20) // len(line) + 1):
             f.write(line)
     size = (tmp_path / "big.txt").stat().st_size
-    peak = _peak(lambda: prepare(tmp_path / "big.txt", tmp_path / "out", tokenizer="bytes", shard_tokens=1 << 22))
+    peak = peak_bytes(lambda: prepare(tmp_path / "big.txt", tmp_path / "out", tokenizer="bytes", shard_tokens=1 << 22))
     m = read_manifest(tmp_path / "out")
     assert m.train_tokens + m.eval.n_tokens == size
     assert peak < size / 4, f"peak {peak / 2**20:.1f} MiB for a {size / 2**20:.0f} MiB corpus"
@@ -180,7 +171,7 @@ def test_bpe_memory_does_not_grow_with_the_corpus(tmp_path, monkeypatch):
         for _ in range((8 << 20) // len(line) + 1):
             f.write(line)
     size = (tmp_path / "big.txt").stat().st_size
-    peak = _peak(lambda: prepare(tmp_path / "big.txt", tmp_path / "out", tokenizer="bpe", vocab_size=300,
+    peak = peak_bytes(lambda: prepare(tmp_path / "big.txt", tmp_path / "out", tokenizer="bpe", vocab_size=300,
                                  shard_tokens=1 << 20))
     assert read_manifest(tmp_path / "out").train_bytes > 0
     assert peak < size / 4, f"peak {peak / 2**20:.1f} MiB for a {size / 2**20:.0f} MiB corpus"

@@ -3,20 +3,10 @@ their input is a few bytes per value (numpy's allocations, as tracemalloc counts
 
 from __future__ import annotations
 
-import tracemalloc
-
 import numpy as np
 
 from shared.codec.values import INT2Values
-
-
-def peak_bytes(fn) -> int:
-    tracemalloc.start()
-    try:
-        fn()
-        return tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
+from tests.conftest import peak_bytes
 
 
 def test_int2_takes_a_few_bytes_per_value():
