@@ -22,7 +22,7 @@ def _can_plot() -> bool:
 def cmd_bench_convergence(args: argparse.Namespace) -> int:
     if not _can_plot():
         return fail("the benchmark plots with matplotlib: pip install -e '.[bench]' (in a source checkout)")
-    from bench.convergence import PROFILES, run
+    from bench.convergence import PROFILES, device_problem, run
     from bench.convergence_long import LONG_PROFILES
 
     if args.profile not in PROFILES and args.profile not in LONG_PROFILES:
@@ -35,12 +35,8 @@ def cmd_bench_convergence(args: argparse.Namespace) -> int:
         return fail("--workers must be at least 2")
     if args.hetero < 1:
         return fail("--hetero is the fastest worker's speed over the slowest's: 1 or more")
-    if PROFILES[args.profile].device.startswith("cuda"):
-        import torch
-
-        if not torch.cuda.is_available():
-            return fail(f"the {args.profile} profile trains on a CUDA device and torch sees none here: run it on a "
-                        "machine with one (and a CUDA build of torch)")
+    if problem := device_problem(args.profile):
+        return fail(problem)
     out = Path(args.out or f"bench-results/convergence-{args.profile}")
     rows = run(profile=args.profile, out=out, workers=args.workers, hetero=args.hetero, only=args.only,
                threads=args.threads)

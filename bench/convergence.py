@@ -58,6 +58,14 @@ PROFILES = {
 }
 
 
+def device_problem(profile: str) -> str | None:
+    """Why this machine cannot run the profile's device (None: it can)."""
+    if PROFILES[profile].device.startswith("cuda") and not torch.cuda.is_available():
+        return (f"the {profile} profile trains on a CUDA device and torch sees none here: run it on a machine with "
+                "one (and a CUDA build of torch)")
+    return None
+
+
 def methods_for(p: Profile, *, workers: int, hetero: float = 1.0) -> list[Method]:
     defaults = RunConfig(name="defaults")
     dense32 = CompressionConfig(index="dense", fraction=1.0, values="fp32", error_feedback=False)
@@ -163,9 +171,10 @@ def run(*, profile: str = "quick", out: Path = Path("bench-results/convergence")
     if threads:
         torch.set_num_threads(threads)
     p = PROFILES[profile]
+    problem = device_problem(profile)
+    if problem:
+        raise RuntimeError(problem)
     if p.device.startswith("cuda"):
-        if not torch.cuda.is_available():
-            raise RuntimeError(f"the {profile} profile trains on a CUDA device, and torch sees none here")
         torch.set_float32_matmul_precision("high")  # TF32 matmuls: the weights and AdamW stay fp32
     corpus = load_corpus(max_bytes=p.corpus_max_bytes)
     setup = Setup(model=p.model, inner=InnerConfig(lr=p.lr, warmup_steps=p.warmup_steps, batch_size=p.batch_size),
