@@ -261,15 +261,15 @@ class RunRuntime:
             else:
                 # the outer momentum is the recent consensus direction (all zeros before the first group);
                 # the flat state keeps it as m = s M, and the cosine is the same against M
-                norm, cosine = robust.flat_delta_stats(delta, self.outer.m)
+                norm, cosine, agreement = robust.flat_delta_direction(delta, self.outer.m)
                 if cosine is not None:  # the momentum speaks: the reference round's direction is done with
                     self.reference_delta = None
                 elif self.reference_delta is not None:
-                    norm, cosine = robust.flat_delta_stats(delta, self.reference_delta)
+                    norm, cosine, agreement = robust.flat_delta_direction(delta, self.reference_delta)
                 rcfg = self.config.robust
                 verdict = robust.decide(norm, cosine, history=self.norms, cfg=rcfg, bound=self.adam_bound,
                                         peak=robust.flat_max_abs(delta), elements=self.element_bound,
-                                        reference_norm=self.reference_norm)
+                                        reference_norm=self.reference_norm, agreement=agreement)
                 reason, merged, why = verdict.reason, verdict.merged, verdict.rejection
                 # an unknown sender counts as a worker of its own, at full weight (unit tests, old rows)
                 key = f"#{seq}" if worker is None else str(worker)

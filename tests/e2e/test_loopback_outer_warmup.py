@@ -59,8 +59,7 @@ def test_nesterov_09_with_an_outer_warmup_trains_over_loopback(tmp_path: Path, c
                 "model": {"n_layer": 1, "d_model": 32, "n_head": 2, "context": 32},
                 "inner": {"steps": 10, "batch_size": 8, "lr": 3e-3, "warmup_steps": 3},
                 "compression": {"index": "topk", "fraction": 0.1, "values": "int8"},
-                "outer": {"lr": 0.7, "momentum": 0.9, "warmup": WARMUP, "group": WORKERS},
-                "robust": {"min_agreement": -1.0}})  # why: ROBUST in test_loopback_algorithms.py
+                "outer": {"lr": 0.7, "momentum": 0.9, "warmup": WARMUP, "group": WORKERS}})
             assert created.status_code == 201, created.text
 
             lb.train(url, "warm", workers=WORKERS, rounds=ROUNDS)

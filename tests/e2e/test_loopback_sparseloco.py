@@ -55,7 +55,11 @@ def test_two_workers_train_sparseloco_over_loopback(tmp_path: Path, corpus_dir: 
                 "eval_every": 2, "epochs": 0, "model": MODEL,
                 "inner": {"steps": STEPS, "batch_size": BATCH, "lr": 3e-3, "warmup_steps": 3},
                 "compression": COMPRESSION, "outer": OUTER,
-                "robust": {"min_agreement": -1.0}})  # why: ROBUST in test_loopback_algorithms.py
+                # Screening stays on, but not the agreement test: on k = 445 values (2%) a random
+                # direction's cosine spreads +-0.047, as wide as min_agreement, and with no outer momentum
+                # the consensus (the last group) meets an honest delta on 1-11 values, too few to vouch for
+                # it: measured in process (26 runs), one honest delta of 87 judged scored cosine 0.033
+                "robust": {"min_agreement": -1.0}})
             assert created.status_code == 201, created.text
             logs = lb.train(url, "sparseloco", workers=WORKERS, rounds=ROUNDS)
             sent_kb = [float(kb) for log in logs for kb in re.findall(r"sent ([0-9.]+) KB", log)]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -138,6 +139,10 @@ def test_flat_delta_stats_equal_delta_stats(seed):
         if want[1] is not None:
             assert got[1] == pytest.approx(want[1], rel=1e-6, abs=1e-9)
     assert flat_delta_stats(fd, None) == (pytest.approx(want[0], rel=1e-12), None)
+    want_agreement, got_agreement = delta_direction(d, ref).agreement, flat_delta_direction(fd, flat_ref * 3).agreement
+    assert (got_agreement is None) == (want_agreement is None)
+    if want_agreement is not None:
+        assert got_agreement == pytest.approx(want_agreement, rel=1e-6, abs=1e-9)
     assert flat_delta_stats(fd, torch.zeros_like(flat_ref))[1] is None
     v = decide(*want, history=[want[0]] * 8, cfg=CFG)
     assert v == screen(d, history=[want[0]] * 8, reference=ref, cfg=CFG)
@@ -259,3 +264,91 @@ def test_before_a_median_a_large_delta_must_agree_with_the_reference(norm_share,
     assert v.merged is merged, v
     if not merged:
         assert "consensus" in v.reason and "reference round" in v.reason
+
+
+# -- agreement where the consensus speaks: sparse deltas that barely meet the momentum -------------
+
+from shared.algorithms.robust import AGREEMENT_Z, delta_direction, flat_delta_direction  # noqa: E402
+
+N, K, REFERENCE_NORM = 22090, 2209, 3.39  # the loopback tests' model: top-k 10% of its values
+
+
+def two_worker_case(overlap: int, *, seed: int = 0, cosine: float = 0.047) -> tuple[Delta, dict]:
+    """An honest top-k delta as measured in a two-worker run (robust.py's docstring): `overlap` of its
+    K values where the momentum (two rounds' supports) is nonzero, along it there (similar magnitudes:
+    top-k values); the rest where it is zero. Its cosine on its support is `cosine`, norm 0.84x the reference."""
+    rng = np.random.default_rng(seed)
+    m = np.zeros(N)
+    m_support = rng.choice(N, 2 * K, replace=False)
+    m[m_support] = rng.uniform(0.7, 1.0, 2 * K) * rng.choice([-1.0, 1.0], 2 * K)
+    off = rng.choice(np.setdiff1d(np.arange(N), m_support), K - overlap, replace=False)
+    on = m_support[:overlap]
+    v_on = m[on] * rng.uniform(0.95, 1.05, overlap)  # cosine ~0.999 with m there
+    v_on *= cosine / math.sqrt(1 - cosine ** 2) / np.linalg.norm(v_on)  # |v_O| / |v_rest| for that cosine
+    v_off = rng.uniform(0.7, 1.0, K - overlap) * rng.choice([-1.0, 1.0], K - overlap)
+    v_off /= np.linalg.norm(v_off)
+    idx = np.concatenate([on, off])
+    order = np.argsort(idx)
+    values = np.concatenate([v_on, v_off])[order]
+    values *= 0.84 * REFERENCE_NORM / np.linalg.norm(values)
+    return sparse(values, idx[order], N), {"w": torch.from_numpy(m.astype(np.float32))}
+
+
+def test_an_honest_sparse_delta_barely_meeting_the_momentum_is_merged():
+    """The CI false positive: 0.84x the reference, cosine 0.047 on its support (below min_agreement),
+    16 of its values where the momentum is nonzero and along it there."""
+    delta, m = two_worker_case(16)
+    norm, cosine, agreement = delta_direction(delta, m)
+    assert norm == pytest.approx(0.84 * REFERENCE_NORM, rel=1e-5) and cosine < DEFAULTS.min_agreement
+    assert agreement > DEFAULTS.min_agreement
+    assert screen(delta, history=[], reference=m, cfg=DEFAULTS, reference_norm=REFERENCE_NORM).merged
+    # once a median exists the same holds above it
+    norms = Norms({str(w): [0.6 * REFERENCE_NORM] * 2 for w in range(4)})
+    assert screen(delta, history=norms, reference=m, cfg=DEFAULTS, reference_norm=REFERENCE_NORM).merged
+    # scaled up beyond what the reference round moves, it is refused all the same
+    big = Delta(0, (dataclasses.replace(delta.entries[0], values=delta.entries[0].values * 2),))
+    v = screen(big, history=[], reference=m, cfg=DEFAULTS, reference_norm=REFERENCE_NORM)
+    assert not v.merged and "reference round" in v.reason
+
+
+@pytest.mark.parametrize("magnitudes", ["honest", "equal"])
+def test_a_random_direction_of_honest_norm_on_the_same_support_is_refused(magnitudes):
+    """Random signs on the honest delta's support, at its norm: refused unless its cosine on the
+    support alone reaches min_agreement (+-1/sqrt(K) = 0.021: ~1% of them, as before the agreement);
+    the agreement where the momentum speaks lets none of them through."""
+    delta, m = two_worker_case(16)
+    e = delta.entries[0]
+    refused = 0
+    for seed in range(40):
+        signs = np.random.default_rng(100 + seed).choice([-1.0, 1.0], e.k)
+        size = np.abs(e.values) if magnitudes == "honest" else np.full(e.k, np.linalg.norm(e.values) / math.sqrt(e.k))
+        rand = Delta(0, (dataclasses.replace(e, values=(size * signs).astype(np.float32)),))
+        v = screen(rand, history=[], reference=m, cfg=DEFAULTS, reference_norm=REFERENCE_NORM)
+        assert v.merged is (v.cosine >= DEFAULTS.min_agreement), (seed, v)
+        assert delta_direction(rand, m).agreement < DEFAULTS.min_agreement, seed
+        refused += "does not agree" in (v.reason or "")
+    assert refused >= 36  # 40 draws, about 0.4 expected through
+
+
+def test_a_handful_of_aligned_values_is_no_evidence():
+    """Along the momentum on 3 values only: a random direction does as well one time in 8, so it counts
+    for nothing (their agreement is below zero) and the cosine alone decides."""
+    delta, m = two_worker_case(3)
+    _, cosine, agreement = delta_direction(delta, m)
+    assert cosine < DEFAULTS.min_agreement and agreement < 0
+    assert not screen(delta, history=[], reference=m, cfg=DEFAULTS, reference_norm=REFERENCE_NORM).merged
+
+
+def test_agreement_is_the_overlap_cosine_less_z_random_spreads():
+    """By hand on 4 values: the momentum is zero on one, the delta along it on the others."""
+    m = {"w": torch.tensor([1.0, 1.0, 1.0, 0.0])}
+    v = np.array([2.0, 2.0, 2.0, 5.0])
+    _, cosine, agreement = delta_direction(dense(v), m)
+    assert cosine == pytest.approx(6 / (math.sqrt(37) * math.sqrt(3)))
+    # v.m = 6, sqrt(sum v_i^2 m_i^2) = sqrt(12), |v_O| = sqrt(12), |m| = sqrt(3)
+    assert agreement == pytest.approx((6 - AGREEMENT_Z * math.sqrt(12)) / (math.sqrt(12) * math.sqrt(3)))
+    # dense, where the consensus is nonzero everywhere: the agreement is the cosine less Z spreads, below it
+    full = delta_direction(dense([0.7, 0.7, 0.1, 0.3]), {"w": torch.tensor([1.0, 1.0, 0.5, 0.2])})
+    assert full.agreement < full.cosine
+    assert delta_direction(dense([1.0, 0, 0, 0]), None) == (1.0, None, None)
+    assert delta_direction(sparse([1.0], [3], 4), m)[1:] == (None, None)  # no consensus on its support
