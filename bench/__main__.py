@@ -241,8 +241,9 @@ def cmd_bench_wallclock(args: argparse.Namespace) -> int:
 def _convergence_parser(sub) -> None:
     conv = sub.add_parser("convergence", help="ddp vs diloco vs sparta vs compressed, same tokens, side by side")
     conv.add_argument("--profile", default="quick", help="quick (< 10 min on 2 cores), full (< 60 min), long "
-                                                         "(replicas 1-8, 100 rounds: hours on 2 cores, see --jobs) "
-                                                         "or gpu (25M parameters on one CUDA device, < 8 min)")
+                                                         "(replicas 1-8, 100 rounds: hours on 2 cores, see --jobs), "
+                                                         "long-probe (what bounds long's gain: M = 8, 25 rounds, "
+                                                         "batch 4 and 16; ~1 h on 2 cores) or gpu (25M parameters on one CUDA device, < 8 min)")
     conv.add_argument("--out", default=None, help="output folder (default bench-results/convergence-PROFILE)")
     conv.add_argument("--workers", type=int, default=8)
     conv.add_argument("--hetero", type=float, default=1.0,

@@ -51,6 +51,9 @@ class LongProfile:
     corpus_max_bytes: int
     eval_tokens: int
     eval_points: int = 20
+    # a probe of what bounds the captured gain: at one M, these per-worker batches side by side, each with
+    # its own ddp and alone rows, and the probe's rows (probe_methods) instead of replicas x algorithms
+    probe_batches: tuple[int, ...] = ()
 
 
 LONG_PROFILES = {
@@ -59,6 +62,11 @@ LONG_PROFILES = {
     "long": LongProfile(ModelConfig(n_layer=2, n_head=4, d_model=48, context=64), batch=4, worker_steps=51_200,
                         H=64, replicas=(1, 2, 4, 8), lr=3e-3, warmup_steps=50, corpus_max_bytes=16 << 20,
                         eval_tokens=1 << 15),
+    # The long profile's first 25 rounds at M = 8 (a quarter of its tokens), to find what bounds its captured
+    # gain: the per-worker batch (4 or 16 sequences), synchronous rounds, the outer step's gain, H.
+    "long-probe": LongProfile(ModelConfig(n_layer=2, n_head=4, d_model=48, context=64), batch=4,
+                              worker_steps=12_800, H=64, replicas=(8,), lr=3e-3, warmup_steps=50,
+                              corpus_max_bytes=16 << 20, eval_tokens=1 << 15, eval_points=10, probe_batches=(4, 16)),
     # the tests' profile: seconds
     "long-tiny": LongProfile(ModelConfig(n_layer=1, n_head=2, d_model=16, context=16), batch=2, worker_steps=48,
                              H=3, replicas=(1, 2, 4), lr=1e-2, warmup_steps=2, corpus_max_bytes=1 << 16,
@@ -72,6 +80,7 @@ class Task:
     replicas: int
     method: Method
     lr_factor: float = 1.0  # the profile's lr times this (the ddp baseline's sweep)
+    batch: int | None = None  # sequences per worker step; None: the profile's
 
 
 def default_method(p: LongProfile, workers: int) -> Method:
@@ -104,8 +113,42 @@ def algorithm_methods(p: LongProfile, workers: int) -> list[Method]:
     return rows
 
 
+def probe_methods(p: LongProfile, workers: int, batch: int) -> list[Method]:
+    """The probe's rows beside the default at one batch: synchronous rounds (every worker waits for the
+    round's last delta: asynchrony's cost), and at the smallest batch the outer step's gain and H."""
+    default = default_method(p, workers)
+    rows = [dataclasses.replace(default, name="synchronous rounds", barrier=True)]
+    if batch == min(p.probe_batches):
+        outer = default.outer
+        rows += [
+            dataclasses.replace(default, name="outer gain 2 (lr 1.6, momentum 0.2)",
+                                outer=outer.model_copy(update={"lr": 1.6})),
+            dataclasses.replace(default, name="synchronous, Nesterov 0.9, outer lr 0.7", barrier=True,
+                                outer=outer.model_copy(update={"lr": 0.7, "momentum": 0.9})),
+            dataclasses.replace(default, name=f"synchronous, H={p.H // 4} (4x the rounds and traffic)",
+                                barrier=True, H=p.H // 4),
+        ]
+    return rows
+
+
+def _probe_tasks(profile: str, p: LongProfile) -> list[Task]:
+    (m,) = p.replicas
+    tasks = []
+    for b in p.probe_batches:
+        def named(method: Method, b: int = b) -> Method:
+            return dataclasses.replace(method, name=f"B={b}: {method.name}")
+        tasks += [Task(profile, m, named(Method("ddp", "ddp")), batch=b),
+                  Task(profile, m, named(Method("ddp, lr x2", "ddp")), lr_factor=2.0, batch=b),
+                  Task(profile, m, named(Method(f"1 worker alone (1/{m} of the tokens)", "alone")), batch=b),
+                  Task(profile, m, named(default_method(p, m)), batch=b)]
+        tasks += [Task(profile, m, named(x), batch=b) for x in probe_methods(p, m, b)]
+    return tasks
+
+
 def tasks_for(profile: str, *, algorithms: bool = True) -> list[Task]:
     p = LONG_PROFILES[profile]
+    if p.probe_batches:
+        return _probe_tasks(profile, p)
     tasks = []
     for m in p.replicas:
         tasks.append(Task(profile, m, Method("ddp", "ddp")))
@@ -124,9 +167,9 @@ def _corpus(max_bytes: int):
     return load_corpus(max_bytes=max_bytes)
 
 
-def setup_for(p: LongProfile, replicas: int, lr_factor: float = 1.0) -> Setup:
+def setup_for(p: LongProfile, replicas: int, lr_factor: float = 1.0, batch: int | None = None) -> Setup:
     corpus = _corpus(p.corpus_max_bytes)
-    inner = InnerConfig(lr=p.lr * lr_factor, warmup_steps=p.warmup_steps, batch_size=p.batch)
+    inner = InnerConfig(lr=p.lr * lr_factor, warmup_steps=p.warmup_steps, batch_size=batch or p.batch)
     return Setup(model=p.model, inner=inner, workers=replicas, steps_per_worker=p.worker_steps // replicas,
                  train=torch.from_numpy(corpus.train), eval=torch.from_numpy(corpus.eval[: p.eval_tokens]),
                  eval_points=p.eval_points)
@@ -136,7 +179,8 @@ def run_task(task: Task, *, threads: int | None) -> Result:
     """One row, with `threads` torch threads (None: as set)."""
     if threads:
         torch.set_num_threads(threads)
-    return run_method(setup_for(LONG_PROFILES[task.profile], task.replicas, task.lr_factor), task.method)
+    return run_method(setup_for(LONG_PROFILES[task.profile], task.replicas, task.lr_factor, task.batch),
+                      task.method)
 
 
 def train(task: Task) -> Result:
@@ -150,7 +194,8 @@ def key(replicas: int, method: str) -> str:
 
 def row_for(task: Task, r: Result, *, dense_bytes: float) -> dict:
     moved = r.bytes_up_per_worker + r.bytes_down_per_worker
-    return {"replicas": task.replicas, "method": task.method.name, "kind": task.method.kind,
+    return {"replicas": task.replicas, "batch": task.batch or LONG_PROFILES[task.profile].batch,
+            "method": task.method.name, "kind": task.method.kind,
             "lr": LONG_PROFILES[task.profile].lr * task.lr_factor, "eval_loss": round(r.eval_loss, 4),
             "bytes_up_per_worker": int(r.bytes_up_per_worker), "bytes_down_per_worker": int(r.bytes_down_per_worker),
             "traffic_reduction_vs_ddp": round(dense_bytes / moved, 1) if moved and task.method.kind != "ddp" else None,
@@ -159,10 +204,10 @@ def row_for(task: Task, r: Result, *, dense_bytes: float) -> dict:
 
 
 def add_gains(rows: list[dict]) -> None:
-    """Per replica count: each row's loss over ddp's and its captured gain (alone - row) / (alone - ddp),
-    ddp being the best of its lr sweep (no baseline tuned down)."""
-    for m in {r["replicas"] for r in rows}:
-        group = [r for r in rows if r["replicas"] == m]
+    """Per replica count (and per-worker batch): each row's loss over ddp's and its captured gain
+    (alone - row) / (alone - ddp), ddp being the best of its lr sweep (no baseline tuned down)."""
+    for m, b in {(r["replicas"], r.get("batch")) for r in rows}:
+        group = [r for r in rows if r["replicas"] == m and r.get("batch") == b]
         ddp = min((r for r in group if r["kind"] == "ddp"), key=lambda r: r["eval_loss"], default=None)
         alone = next((r for r in group if r["kind"] == "alone"), None)
         for r in group:
@@ -186,7 +231,7 @@ def run(*, profile: str = "long", out: Path = Path("bench-results/convergence-lo
     tasks = [t for t in tasks_for(profile, algorithms=algorithms)
              if not only or t.method.kind in ("ddp", "alone") or any(o in t.method.name for o in only)]
     todo = [t for t in tasks if key(t.replicas, t.method.name) not in done]
-    dense = {m: ddp_bytes_per_worker(setup_for(p, m)) for m in p.replicas}
+    dense = {(t.replicas, t.batch): ddp_bytes_per_worker(setup_for(p, t.replicas, batch=t.batch)) for t in tasks}
     t0 = time.perf_counter()
     log.info("%d rows to train (%d kept), %d jobs", len(todo), len(tasks) - len(todo), jobs)
     rows = dict(done)
@@ -199,13 +244,14 @@ def run(*, profile: str = "long", out: Path = Path("bench-results/convergence-lo
         for task, result in zip(todo, results):
             log.info("M=%d %s: eval loss %.4f, %.0f s", task.replicas, task.method.name, result.eval_loss,
                      result.wall_s)
-            rows[key(task.replicas, task.method.name)] = row_for(task, result, dense_bytes=dense[task.replicas])
+            dense_bytes = dense[task.replicas, task.batch]
+            rows[key(task.replicas, task.method.name)] = row_for(task, result, dense_bytes=dense_bytes)
             _save(out, rows, tasks)  # a row is kept as soon as it is trained: an interrupted run resumes with --keep
     ordered = _save(out, rows, tasks)
     n_params = count_params(build_model(p.model))
     setup = setup_for(p, max(p.replicas))
     meta = {"profile": profile, "n_params": n_params, "replicas": list(p.replicas), "H": p.H,
-            "batch_per_worker": p.batch, "context": p.model.context, "worker_steps": p.worker_steps,
+            "batch_per_worker": p.batch, "probe_batches": list(p.probe_batches), "context": p.model.context, "worker_steps": p.worker_steps,
             "tokens_per_row": setup.total_steps * setup.tokens_per_step,
             "tokens_per_param": round(setup.total_steps * setup.tokens_per_step / n_params, 1),
             "rounds_per_worker_at_max_replicas": setup.steps_per_worker // p.H, "jobs": jobs,

@@ -9,16 +9,25 @@ def _fmt(value, spec: str, none: str = "-") -> str:
     return none if value is None else format(value, spec)
 
 
+def _probe_note(meta: dict) -> list[str]:
+    if not meta.get("probe_batches"):
+        return []
+    batches = ", ".join(map(str, meta["probe_batches"]))
+    return ["", (f"A probe: each row's B is its sequences per worker step ({batches}); a row at B trains "
+                f"B / {meta['batch_per_worker']} times the tokens above, and is compared with ddp and alone at its B.")]
+
+
 def write_markdown(rows: list[dict], meta: dict, path: Path) -> None:
     lines = [f"# Convergence, profile `{meta['profile']}`", "",
-             f"{meta['n_params']:,} parameters; every row trains {meta['tokens_per_row']:,} tokens "
+             (f"{meta['n_params']:,} parameters; every row trains {meta['tokens_per_row']:,} tokens "
              f"({meta['tokens_per_param']:g} per parameter): {meta['worker_steps']:,} local steps of "
              f"{meta['batch_per_worker']} x {meta['context']} tokens, split over the row's M workers; the default's "
              f"H = {meta['H']} gives {meta['rounds_per_worker_at_max_replicas']} rounds per worker at "
              f"M = {max(meta['replicas'])}. Captured gain = (alone - row) / (alone - best ddp) at the same M; "
-             "traffic reduction = ddp's bytes per worker (dense fp32 gradients up and down every step) / the row's.",
-             "", "| M | method | eval loss | x best ddp | captured gain | up / worker | down / worker | "
-             "traffic reduction | merges | wall s |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "traffic reduction = ddp's bytes per worker (dense fp32 gradients up and down every step) / the row's."),
+             *_probe_note(meta),
+             "", ("| M | method | eval loss | x best ddp | captured gain | up / worker | down / worker | "
+             "traffic reduction | merges | wall s |"), "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         gain = _fmt(r.get("captured_gain"), ".0%")
         reduction = _fmt(r["traffic_reduction_vs_ddp"], ".0f")
@@ -42,8 +51,12 @@ def plot(rows: list[dict], path: Path, *, title: str) -> None:
     panels = [(f"M = {m}", [r for r in rows if r["replicas"] == m and (r["kind"] in base_kinds
                                                                         or r["method"].endswith("(default)"))])
               for m in counts]
-    panels.append((f"M = {top}: algorithms against the default",
-                   [r for r in rows if r["replicas"] == top and r["kind"] != "alone"]))
+    batches = sorted({r["batch"] for r in rows if r.get("batch")})
+    if len(batches) > 1:  # a probe: one panel per batch, every row
+        panels = [(f"M = {top}, B = {b}", [r for r in rows if r.get("batch") == b]) for b in batches]
+    else:
+        panels.append((f"M = {top}: algorithms against the default",
+                       [r for r in rows if r["replicas"] == top and r["kind"] != "alone"]))
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 4.4), sharey=True)
     lows = [loss for r in rows for _, loss in r["curve"]]
     finals = [r["curve"][-1][1] for r in rows]

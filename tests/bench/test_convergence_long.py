@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -105,3 +106,38 @@ def test_the_wallclock_long_profile_needs_the_convergence_run_first(tmp_path):
 def test_unknown_profile_is_refused(tmp_path):
     with pytest.raises(ValueError, match="unknown profile"):
         long.run(profile="longer", out=tmp_path)
+
+
+def test_the_probe_compares_each_batch_with_its_own_baselines():
+    p = LONG_PROFILES["long-probe"]
+    tasks = tasks_for("long-probe")
+    assert {t.replicas for t in tasks} == {8} and p.worker_steps // 8 // p.H == 25  # the long profile's first 25 rounds
+    for b in p.probe_batches:
+        kinds = sorted(t.method.kind for t in tasks if t.batch == b and t.method.kind in ("ddp", "alone"))
+        assert kinds == ["alone", "ddp", "ddp"]
+        assert any(t.method.barrier for t in tasks if t.batch == b)  # synchronous rounds at every batch
+    names = [t.method.name for t in tasks]
+    assert len(set(names)) == len(names) and all(n.startswith(f"B={t.batch}: ") for n, t in zip(names, tasks))
+    small = [t.method for t in tasks if t.batch == min(p.probe_batches) and t.method.kind == "diloco"]
+    assert {m.H for m in small} == {p.H, p.H // 4} and any(m.outer.lr == 1.6 for m in small)
+
+
+def test_a_probe_measures_each_batch_against_its_own_ddp_and_alone():
+    rows = [{"replicas": 8, "batch": b, "method": f"B={b}: {name}", "kind": kind, "eval_loss": loss}
+            for b, base in ((4, 2.0), (16, 1.0))
+            for name, kind, loss in (("ddp", "ddp", base), ("alone", "alone", base + 0.5), ("d", "diloco", base + 0.2))]
+    add_gains(rows)
+    assert [r["captured_gain"] for r in rows if r["kind"] == "diloco"] == [pytest.approx(0.6), pytest.approx(0.6)]
+
+
+def test_a_tiny_probe_writes_a_row_per_batch(tmp_path, monkeypatch, one_torch_thread):
+    tiny = dataclasses.replace(LONG_PROFILES["long-tiny"], replicas=(2,), H=4, worker_steps=16, probe_batches=(1, 2))
+    monkeypatch.setitem(LONG_PROFILES, "probe-tiny", tiny)
+    rows = long.run(profile="probe-tiny", out=tmp_path, jobs=1)
+    assert {r["batch"] for r in rows} == {1, 2}
+    for b in (1, 2):
+        group = [r for r in rows if r["batch"] == b]
+        ddp = next(r for r in group if r["method"] == f"B={b}: ddp")
+        assert ddp["curve"][-1][0] == 16 * b * tiny.model.context  # every row at B: 16 steps of B sequences
+        assert all(r["captured_gain"] is not None for r in group if r["kind"] == "diloco")
+    assert "A probe" in (tmp_path / "results.md").read_text() and (tmp_path / "loss.png").stat().st_size > 0
