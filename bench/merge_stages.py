@@ -16,7 +16,7 @@ import torch
 
 from bench.numbers import sig
 from shared import codec, kernels
-from shared.algorithms import robust
+from shared.algorithms import robust, robust_stats
 from shared.algorithms.compress import compress, k_for, quantised, tensor_seed
 from shared.algorithms.flat_outer import FlatOuter
 from shared.algorithms.outer import OuterState, apply_delta, momentum_step
@@ -198,7 +198,7 @@ def in_memory_stages(params: dict[str, torch.Tensor], schema: dict[str, tuple[in
                                                        else "(packed: unpack bits)"), kind, idx_t,
                             note=f"first {sub} deltas"))
         stages.append(Stage("(b) of which int8 values", kind, val_t, note=f"first {sub} deltas"))
-        history = [robust.delta_stats(d, None)[0] for d in dec[: rcfg.window]]
+        history = [robust_stats.delta_stats(d, None)[0] for d in dec[: rcfg.window]]
         verdicts: list[robust.Verdict] = []
         t_screen = time_each(lambda d: verdicts.append(robust.screen(d, history=history, reference=state.momentum,
                                                                      cfg=rcfg, bound=adam)), dec)
@@ -231,11 +231,11 @@ def flat_stages(state: OuterState, schema: dict[str, tuple[int, ...]], kind: str
         t_dec += time_calls(lambda: fdec.append(codec.decode_flat(b, schema=schema, offsets=flat.offsets)), 1)
         with kernels.disabled():
             t_dec_np += time_calls(lambda: codec.decode_flat(b, schema=schema, offsets=flat.offsets), 1)
-    history = [robust.flat_delta_stats(d, None)[0] for d in fdec[: rcfg.window]]
+    history = [robust_stats.flat_delta_stats(d, None)[0] for d in fdec[: rcfg.window]]
     verdicts: list[robust.Verdict] = []
 
     def screen(d: codec.FlatDelta) -> None:
-        norm, cosine = robust.flat_delta_stats(d, flat.m)
+        norm, cosine = robust_stats.flat_delta_stats(d, flat.m)
         verdicts.append(robust.decide(norm, cosine, history=history, cfg=rcfg, bound=adam))
 
     t_screen = time_each(screen, fdec)

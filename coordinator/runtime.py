@@ -32,7 +32,7 @@ import torch
 
 from coordinator.storage import Storage
 from shared import codec
-from shared.algorithms import robust, sparta
+from shared.algorithms import robust, robust_stats, sparta
 from shared.algorithms.inner import make_optimizer, pseudo_gradient, run_steps
 from shared.algorithms.flat_outer import FlatOuter
 from shared.algorithms.outer import OuterState, staleness_weight
@@ -99,9 +99,11 @@ class RunRuntime:
         self.adam_bound = robust.adam_bound(steps=inner.steps, lr=inner.lr,
                                             n_params=sum(p.numel() for p in self.model.parameters()))
         comp = config.compression  # unsent values wait in the worker's residual only with error feedback
-        self.element_bound = robust.element_bound(
-            steps=inner.steps, lr=inner.lr,
-            fraction=comp.fraction if comp.index != "dense" and comp.error_feedback else 1.0)
+        fraction = comp.fraction if comp.index != "dense" and comp.error_feedback else 1.0
+        self.element_bound = robust.element_bound(steps=inner.steps, lr=inner.lr, fraction=fraction)
+        # and a delta can carry several rounds' norm: the reference bound scales (the idle and early checks don't)
+        self.reference_scale = robust.reference_scale(fraction=fraction, feedback_decay=comp.feedback_decay,
+                                                      random=comp.index == "random")
         self._eval_tokens: torch.Tensor | None = None
         # True once a merge step moved these weights past what the database committed and failed (the
         # merger then reloads the run into a new object): exchanges must not fold into it meanwhile, or
@@ -129,7 +131,8 @@ class RunRuntime:
         the run's initial model at the peak lr (no warm-up) on `tokens` (a training shard), batches
         drawn from the run's seed; its pseudo-gradient's norm, scaled up linearly to the round's H
         steps, is an upper bound of an honest round's (steps in a consistent direction add up
-        linearly at most; measured honest rounds reach 0.92x it) that no worker can shape. Kept in
+        linearly at most; measured honest dense rounds reach 0.92x it, sparse ones with error
+        feedback carry more: robust.reference_scale) that no worker can shape. Kept in
         the checkpoint: computed once, the same after any restart."""
         inner = self.config.inner
         k = min(inner.steps, self.config.robust.reference_steps)
@@ -261,15 +264,16 @@ class RunRuntime:
             else:
                 # the outer momentum is the recent consensus direction (all zeros before the first group);
                 # the flat state keeps it as m = s M, and the cosine is the same against M
-                norm, cosine, agreement = robust.flat_delta_direction(delta, self.outer.m)
+                norm, cosine, agreement = robust_stats.flat_delta_direction(delta, self.outer.m)
                 if cosine is not None:  # the momentum speaks: the reference round's direction is done with
                     self.reference_delta = None
                 elif self.reference_delta is not None:
-                    norm, cosine, agreement = robust.flat_delta_direction(delta, self.reference_delta)
+                    norm, cosine, agreement = robust_stats.flat_delta_direction(delta, self.reference_delta)
                 rcfg = self.config.robust
                 verdict = robust.decide(norm, cosine, history=self.norms, cfg=rcfg, bound=self.adam_bound,
-                                        peak=robust.flat_max_abs(delta), elements=self.element_bound,
-                                        reference_norm=self.reference_norm, agreement=agreement)
+                                        peak=robust_stats.flat_max_abs(delta), elements=self.element_bound,
+                                        reference_norm=self.reference_norm, agreement=agreement,
+                                        reference_scale=self.reference_scale)
                 reason, merged, why = verdict.reason, verdict.merged, verdict.rejection
                 # an unknown sender counts as a worker of its own, at full weight (unit tests, old rows)
                 key = f"#{seq}" if worker is None else str(worker)
@@ -296,7 +300,7 @@ class RunRuntime:
     def screen_exchange(self, sent: codec.Delta, *, steps: int) -> robust.Verdict:
         """Whether `sent` (its distance from the centre) passes the screen (caller holds `lock`):
         `steps`, the AdamW steps trained in the run so far and in flight (robust.exchange_element_bound)."""
-        norm, peak = robust.exchange_stats(sent, self._centre_values)
+        norm, peak = robust_stats.exchange_stats(sent, self._centre_values)
         return robust.decide_exchange(norm, peak, history=self.exchange_norms, cfg=self.config.robust,
                                       elements=robust.exchange_element_bound(steps=steps, lr=self.config.inner.lr))
 
@@ -306,7 +310,7 @@ class RunRuntime:
         Replay passes the recorded exchange_id; live exchanges set it once their row is committed.
         worker: the sender, whose exchange distances the screen keeps (None: not recorded)."""
         if worker is not None:
-            norm, _ = robust.exchange_stats(sent, self._centre_values)
+            norm, _ = robust_stats.exchange_stats(sent, self._centre_values)
             if math.isfinite(norm) and norm > 0:
                 self.exchange_norms.add(str(worker), norm, self.config.robust)
         cfg = self.config.sparta

@@ -158,11 +158,16 @@ class RobustConfig(_Strict):
     # for ~1/fraction rounds, so the bound grows by that.
     element_factor: float = Field(3.0, ge=0, description="values above this x (steps * lr) are rejected from the "
                                                          "first delta on; 0 disables")
-    # The coordinator's own reference round (RunRuntime.calibrate): honest deltas measured at most 0.92x it
-    # (tests/coordinator/test_poisoned.py's run, whose tiny model moves almost lr per element per step:
-    # the tightest case); 1.5x leaves them 60% to spare.
+    # The coordinator's own reference round (RunRuntime.calibrate): honest dense deltas measured at most 0.92x
+    # it (tests/coordinator/test_poisoned.py's run, whose tiny model moves almost lr per element per step:
+    # the tightest case); 1.5x leaves them 60% to spare. With error feedback a sparse delta carries several
+    # rounds, so the bound is also times robust.reference_scale (top-k 10%: 3.16, 2%: 7.07, SparseLoCo's 2%
+    # with decay 0.95: 2.61; honest ones measured up to 1.64x, 1.97x and 1.29x the reference).
     reference_factor: float = Field(1.5, ge=0, description="norms above this x the coordinator's own reference "
-                                                           "round are rejected from the first delta on; 0 disables")
+                                                           "round (x the rounds a sparse delta with error "
+                                                           "feedback carries: 1/sqrt(fraction) for top-k without "
+                                                           "decay) are rejected from the first delta on; "
+                                                           "0 disables")
     reference_steps: int = Field(4, ge=1, le=1000, description="local AdamW steps of the reference round (scaled up "
                                                                "to the round's steps)")
     # A new worker's first round under warm-up (50 steps) moves 4% of a warmed-up one at H=3: 1% leaves room.

@@ -7,6 +7,7 @@
     outer.py       the merge rule: staleness weight, outer Nesterov step, delayed momentum
     flat_outer.py  the same rule on one flat vector, its momentum step lazy (the coordinator's form)
     robust.py      screening before the merge: norm bound, median clip/reject, direction check
+    robust_stats.py what the screen measures of a delta: norm, cosine, agreement, peak
     spotcheck.py   the replay spot-check: re-train a lease's round, compare it with the delta sent
     sparta.py      sparse elastic exchanges with the global model
     sync.py        incremental model downloads: the int8 change between two versions

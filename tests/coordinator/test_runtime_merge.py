@@ -296,3 +296,33 @@ def test_the_reference_round_is_the_consensus_until_the_momentum_has_one(tmp_pat
         r.merge(seq=items[0][0], base_version=0, write_snapshot=False, worker=2)
         assert r.reference_delta is None
     assert torch.equal(rt.outer.t, back.outer.t)
+
+
+@pytest.mark.parametrize("compression, sparse", [
+    (CompressionConfig(index="topk", fraction=0.1, values="int8"), True),  # error feedback: rounds carried
+    (CompressionConfig(index="topk", fraction=0.1, values="int8", error_feedback=False), False),
+    (CompressionConfig(index="dense", values="int8"), False),
+])
+def test_the_reference_bound_scales_by_the_rounds_a_sparse_run_carries(tmp_path, compression, sparse):
+    """A delta at 1.64x the reference round (the most honest top-k 10% deltas measured: robust.reference_scale)
+    merges in a top-k run with error feedback and is refused in a dense one; 10x it is refused in both."""
+    cfg = RunConfig(name="rt", model=MODEL, seed=3, outer=OuterConfig(group=2), compression=compression,
+                    robust=RobustConfig(min_agreement=-1.0))
+    rt = runtime(tmp_path, cfg)
+    assert rt.reference_scale == (robust.reference_scale(fraction=0.1) if sparse else 1.0)
+    rt.reference_norm = 0.5 * rt.adam_bound  # an honest-sized reference; below the per-element bounds
+    n = rt.outer.m.numel()
+
+    def uniform(share: float) -> Delta:  # share x the reference's norm, spread over every element
+        value = share * rt.reference_norm / n ** 0.5
+        return Delta(0, tuple(Entry(name, int(np.prod(s)), IndexKind.DENSE, ValueKind.FP32,
+                                    np.full(int(np.prod(s)), value, dtype=np.float32)) for name, s in rt.schema.items()))
+
+    items = store(rt, [uniform(1.64), uniform(16.4)], [0, 1])
+    honest = rt.merge(seq=items[0][0], base_version=0, write_snapshot=False, worker=1)
+    assert honest.merged == sparse
+    if not sparse:
+        assert honest.rejection == robust.Rejection.BOUND and "reference round" in honest.reason
+    scaled = rt.merge(seq=items[1][0], base_version=1, write_snapshot=False, worker=1)
+    assert not scaled.merged and scaled.rejection == robust.Rejection.BOUND  # dense: its values already
+    assert not sparse or "reference round" in scaled.reason

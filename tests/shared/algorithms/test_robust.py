@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from shared import codec
-from shared.algorithms.robust import decide, delta_stats, flat_delta_stats, remember, screen
+from shared.algorithms.robust import decide, remember, screen
+from shared.algorithms.robust_stats import delta_stats, flat_delta_stats
 from shared.codec import Delta, Entry, IndexKind, ValueKind
 from shared.config import RobustConfig
 
@@ -150,8 +151,9 @@ def test_flat_delta_stats_equal_delta_stats(seed):
 
 # -- from the first delta on, and each worker once (issue 18's "Critical" items) ------------------
 
-from shared.algorithms.robust import (Norms, decide_exchange, element_bound, exchange_element_bound,  # noqa: E402
-                                      exchange_stats, max_abs, ramp_weight)
+from shared.algorithms.robust import (Norms, Rejection, decide_exchange, element_bound,  # noqa: E402
+                                      exchange_element_bound, ramp_weight, reference_scale)
+from shared.algorithms.robust_stats import exchange_stats, max_abs  # noqa: E402
 
 DEFAULTS = RobustConfig()
 
@@ -173,6 +175,47 @@ def test_reference_round_bounds_the_norm_before_any_history():
     assert screen(dense([1.4, 0, 0, 0]), history=[], reference=None, cfg=DEFAULTS, reference_norm=ref).merged
     v = screen(dense([1.6, 0, 0, 0]), history=[], reference=None, cfg=DEFAULTS, reference_norm=ref)
     assert v.action == "reject" and "reference round" in v.reason
+
+
+def test_reference_scale_is_the_rounds_a_sparse_delta_carries():
+    assert reference_scale(fraction=1.0) == 1.0  # dense: one round
+    assert reference_scale(fraction=1.0, feedback_decay=0.9, random=True) == pytest.approx(1.0)
+    assert reference_scale(fraction=0.1) == pytest.approx(1 / math.sqrt(0.1))  # top-k: 1/fraction rounds per value
+    # with decay d a value kept 1/fraction rounds carries 1 + d + ... + d^(1/fraction - 1) of them
+    assert reference_scale(fraction=0.02, feedback_decay=0.95) == pytest.approx(
+        math.sqrt(0.02) * sum(0.95 ** j for j in range(50)))
+    # a random subset keeps a value p ~ Geometric(fraction) rounds: the series, summed term by term
+    for d in (1.0, 0.95):
+        series = sum(0.1 * 0.9 ** (p - 1) * sum(d ** j for j in range(p)) ** 2 for p in range(1, 2000))
+        assert reference_scale(fraction=0.1, feedback_decay=d, random=True) == pytest.approx(math.sqrt(0.1 * series))
+    assert reference_scale(fraction=0.001, feedback_decay=0.5) == 1.0  # never below a dense round
+
+
+@pytest.mark.parametrize("fraction, decay, measured", [
+    (0.1, 1.0, 1.64),  # the most honest top-k deltas measured (robust.reference_scale's docstring)
+    (0.02, 1.0, 1.97),
+    (0.02, 0.95, 1.29),  # SparseLoCo: under the dense bound too
+])
+def test_a_sparse_runs_reference_bound_scales_by_the_rounds_it_carries(fraction, decay, measured):
+    ref = 2.0
+    scale = reference_scale(fraction=fraction, feedback_decay=decay)
+
+    def delta(share):  # a top-k delta of share x the reference's norm
+        return sparse([share * ref / math.sqrt(2)] * 2, [0, 3], 10)
+
+    kw = {"history": [], "reference": None, "cfg": DEFAULTS, "reference_norm": ref}
+    assert screen(delta(measured), **kw, reference_scale=scale).merged
+    dense_run = screen(delta(measured), **kw)  # the same delta where the run is dense
+    assert dense_run.merged == (measured <= DEFAULTS.reference_factor)
+    assert dense_run == screen(delta(measured), **kw, reference_scale=1.0)  # dense: exactly as before
+    for share in (10 * measured, 1.01 * DEFAULTS.reference_factor * scale):  # scaled up, or just past the bound
+        v = screen(delta(share), **kw, reference_scale=scale)
+        assert v.rejection == Rejection.BOUND and "rounds a sparse delta can carry" in v.reason, share
+    # the idle check and the early agreement keep the plain reference round
+    assert decide(1e-4 * ref, None, history=[], cfg=DEFAULTS, reference_norm=ref,
+                  reference_scale=scale).rejection == Rejection.IDLE
+    assert decide(0.6 * ref, 0.0, history=[], cfg=DEFAULTS, reference_norm=ref,
+                  reference_scale=scale).rejection == Rejection.DIRECTION
 
 
 @pytest.mark.parametrize("values", [[0.0, 0, 0, 0], [1e-7, 0, 0, 0]])
@@ -268,7 +311,7 @@ def test_before_a_median_a_large_delta_must_agree_with_the_reference(norm_share,
 
 # -- agreement where the consensus speaks: sparse deltas that barely meet the momentum -------------
 
-from shared.algorithms.robust import AGREEMENT_Z, delta_direction, flat_delta_direction  # noqa: E402
+from shared.algorithms.robust_stats import AGREEMENT_Z, delta_direction, flat_delta_direction  # noqa: E402
 
 N, K, REFERENCE_NORM = 22090, 2209, 3.39  # the loopback tests' model: top-k 10% of its values
 
