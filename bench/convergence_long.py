@@ -227,7 +227,9 @@ def run(*, profile: str = "long", out: Path = Path("bench-results/convergence-lo
         raise ValueError(f"unknown profile {profile!r}: pick one of {sorted(LONG_PROFILES)}")
     p = LONG_PROFILES[profile]
     out.mkdir(parents=True, exist_ok=True)
-    done = {key(r["replicas"], r["method"]): r for r in _load(out / "results.json")} if keep else {}
+    # rows written before rows carried their batch were trained at the profile's
+    kept = _load(out / "results.json") if keep else []
+    done = {key(r["replicas"], r["method"]): {"batch": p.batch, **r} for r in kept}
     tasks = [t for t in tasks_for(profile, algorithms=algorithms)
              if not only or t.method.kind in ("ddp", "alone") or any(o in t.method.name for o in only)]
     todo = [t for t in tasks if key(t.replicas, t.method.name) not in done]
@@ -251,7 +253,8 @@ def run(*, profile: str = "long", out: Path = Path("bench-results/convergence-lo
     n_params = count_params(build_model(p.model))
     setup = setup_for(p, max(p.replicas))
     meta = {"profile": profile, "n_params": n_params, "replicas": list(p.replicas), "H": p.H,
-            "batch_per_worker": p.batch, "probe_batches": list(p.probe_batches), "context": p.model.context, "worker_steps": p.worker_steps,
+            "batch_per_worker": p.batch, "probe_batches": list(p.probe_batches), "context": p.model.context,
+            "worker_steps": p.worker_steps,
             "tokens_per_row": setup.total_steps * setup.tokens_per_step,
             "tokens_per_param": round(setup.total_steps * setup.tokens_per_step / n_params, 1),
             "rounds_per_worker_at_max_replicas": setup.steps_per_worker // p.H, "jobs": jobs,

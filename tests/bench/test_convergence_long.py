@@ -73,6 +73,17 @@ def test_a_kept_row_is_not_trained_again(tiny_long, tmp_path, monkeypatch):
     assert json.loads((tmp_path / "meta.json").read_text())["rows_trained_now"] == 0
 
 
+def test_rows_kept_from_before_rows_carried_a_batch_count_at_the_profiles(tiny_long, tmp_path):
+    out, rows = tiny_long
+    old = [{k: v for k, v in r.items() if k != "batch"} for r in rows
+           if not (r["kind"] == "diloco" and r["replicas"] == 2)]
+    (tmp_path / "results.json").write_text(json.dumps(old))
+    again = long.run(profile="long-tiny", out=tmp_path, jobs=1, keep=True, algorithms=False)
+    assert json.loads((tmp_path / "meta.json").read_text())["rows_trained_now"] == 1  # the one missing row
+    assert {r["batch"] for r in again} == {LONG_PROFILES["long-tiny"].batch}
+    assert all(r["captured_gain"] is not None for r in again if r["kind"] == "diloco" and r["replicas"] > 1)
+
+
 def test_the_wallclock_long_profile_clocks_the_curves_without_training(tiny_long, tmp_path, monkeypatch):
     out, rows = tiny_long
     monkeypatch.setattr(long, "run_task", lambda *a, **k: pytest.fail("nothing is trained"))
