@@ -233,7 +233,8 @@ def run(*, profile: str = "long", out: Path = Path("bench-results/convergence-lo
     tasks = [t for t in tasks_for(profile, algorithms=algorithms)
              if not only or t.method.kind in ("ddp", "alone") or any(o in t.method.name for o in only)]
     todo = [t for t in tasks if key(t.replicas, t.method.name) not in done]
-    dense = {(t.replicas, t.batch): ddp_bytes_per_worker(setup_for(p, t.replicas, batch=t.batch)) for t in tasks}
+    dense = {(m, b): ddp_bytes_per_worker(setup_for(p, m, batch=b))  # once per (replicas, batch)
+             for m, b in {(t.replicas, t.batch) for t in tasks}}
     t0 = time.perf_counter()
     log.info("%d rows to train (%d kept), %d jobs", len(todo), len(tasks) - len(todo), jobs)
     rows = dict(done)
