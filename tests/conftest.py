@@ -90,16 +90,23 @@ def postgres_reason() -> str | None:
     return _pg["reason"]  # type: ignore[return-value]
 
 
+def _on_postgres(backend: str) -> bool:
+    """False for SQLite; True for PostgreSQL, where the test is skipped when no server answers."""
+    if backend == "sqlite":
+        return False
+    reason = postgres_reason()
+    if reason:
+        pytest.skip(reason)
+    return True
+
+
 @contextlib.contextmanager
 def fresh_database(backend: str) -> Iterator[str | None]:
     """A fresh, empty PostgreSQL schema's URL (dropped after), or None for SQLite; skips the
     test when PostgreSQL cannot be reached."""
-    if backend == "sqlite":
+    if not _on_postgres(backend):
         yield None
         return
-    reason = postgres_reason()
-    if reason:
-        pytest.skip(reason)
     from sqlalchemy import create_engine, text
 
     schema = f"t_{uuid.uuid4().hex[:16]}"
@@ -211,12 +218,9 @@ def migrated_database(backend: str) -> Iterator[str | None]:
     """A PostgreSQL schema at the newest migration with every table empty (emptied and kept for the
     next test after; dropped when the session ends), or None for SQLite; skips the test when
     PostgreSQL cannot be reached."""
-    if backend == "sqlite":
+    if not _on_postgres(backend):
         yield None
         return
-    reason = postgres_reason()
-    if reason:
-        pytest.skip(reason)
     free: list[str] = _migrated.setdefault("free", [])  # type: ignore[assignment]
     schema = free.pop() if free else _new_migrated_schema()
     try:
