@@ -115,7 +115,8 @@ def algorithm_methods(p: LongProfile, workers: int) -> list[Method]:
 
 def probe_methods(p: LongProfile, workers: int, batch: int) -> list[Method]:
     """The probe's rows beside the default at one batch: synchronous rounds (every worker waits for the
-    round's last delta: asynchrony's cost), and at the smallest batch the outer step's gain and H."""
+    round's last delta: asynchrony's cost), and at the smallest batch the outer step's gain, H, and H / 2
+    at 2-bit values (more rounds for about the same bytes)."""
     default = default_method(p, workers)
     rows = [dataclasses.replace(default, name="synchronous rounds", barrier=True)]
     if batch == min(p.probe_batches):
@@ -127,6 +128,15 @@ def probe_methods(p: LongProfile, workers: int, batch: int) -> list[Method]:
                                 outer=outer.model_copy(update={"lr": 0.7, "momentum": 0.9})),
             dataclasses.replace(default, name=f"synchronous, H={p.H // 4} (4x the rounds and traffic)",
                                 barrier=True, H=p.H // 4),
+        ]
+        # twice the rounds in about the default's bytes: int2 (2.25 bits) instead of int4 (4.125) both ways;
+        # int2 downloads are a simulator-only setting (RunConfig.update_values takes int8 / int4)
+        int2 = CompressionConfig(index="dense", values="int2", error_feedback=True)
+        half = p.H // 2
+        rows += [
+            dataclasses.replace(default, name=f"H={half}, int2 up and down (2x the rounds, ~the bytes)", H=half,
+                                compression=int2, update_values="int2"),
+            dataclasses.replace(default, name=f"H={half}, int2 up, int4 down", H=half, compression=int2),
         ]
     return rows
 
@@ -230,7 +240,8 @@ def run(*, profile: str = "long", out: Path = Path("bench-results/convergence-lo
     # rows written before rows carried their batch were trained at the profile's
     kept = _load(out / "results.json") if keep else []
     done = {key(r["replicas"], r["method"]): {"batch": p.batch, **r} for r in kept}
-    tasks = [t for t in tasks_for(profile, algorithms=algorithms)
+    listed = tasks_for(profile, algorithms=algorithms)  # the results' order, whichever rows train now
+    tasks = [t for t in listed
              if not only or t.method.kind in ("ddp", "alone") or any(o in t.method.name for o in only)]
     todo = [t for t in tasks if key(t.replicas, t.method.name) not in done]
     dense = {(m, b): ddp_bytes_per_worker(setup_for(p, m, batch=b))  # once per (replicas, batch)
@@ -249,8 +260,8 @@ def run(*, profile: str = "long", out: Path = Path("bench-results/convergence-lo
                      result.wall_s)
             dense_bytes = dense[task.replicas, task.batch]
             rows[key(task.replicas, task.method.name)] = row_for(task, result, dense_bytes=dense_bytes)
-            _save(out, rows, tasks)  # a row is kept as soon as it is trained: an interrupted run resumes with --keep
-    ordered = _save(out, rows, tasks)
+            _save(out, rows, listed)  # a row is kept as soon as it is trained: an interrupted run resumes with --keep
+    ordered = _save(out, rows, listed)
     n_params = count_params(build_model(p.model))
     setup = setup_for(p, max(p.replicas))
     meta = {"profile": profile, "n_params": n_params, "replicas": list(p.replicas), "H": p.H,

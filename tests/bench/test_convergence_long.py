@@ -73,6 +73,16 @@ def test_a_kept_row_is_not_trained_again(tiny_long, tmp_path, monkeypatch):
     assert json.loads((tmp_path / "meta.json").read_text())["rows_trained_now"] == 0
 
 
+def test_a_resumed_run_keeps_the_listed_order_whichever_rows_it_trains(tiny_long, tmp_path):
+    out, rows = tiny_long
+    (tmp_path / "results.json").write_text((out / "results.json").read_text())
+    again = long.run(profile="long-tiny", out=tmp_path, jobs=1, keep=True, only=["outer lr 0.4"])
+    assert json.loads((tmp_path / "meta.json").read_text())["rows_trained_now"] == 1  # the one algorithm row
+    keys = [long.key(r["replicas"], r["method"]) for r in again]
+    listed = [long.key(t.replicas, t.method.name) for t in tasks_for("long-tiny")]
+    assert len(keys) == len(rows) + 1 and keys == [k for k in listed if k in keys]  # kept rows not moved last
+
+
 def test_rows_kept_from_before_rows_carried_a_batch_count_at_the_profiles(tiny_long, tmp_path):
     out, rows = tiny_long
     old = [{k: v for k, v in r.items() if k != "batch"} for r in rows
@@ -130,7 +140,9 @@ def test_the_probe_compares_each_batch_with_its_own_baselines():
     names = [t.method.name for t in tasks]
     assert len(set(names)) == len(names) and all(n.startswith(f"B={t.batch}: ") for n, t in zip(names, tasks))
     small = [t.method for t in tasks if t.batch == min(p.probe_batches) and t.method.kind == "diloco"]
-    assert {m.H for m in small} == {p.H, p.H // 4} and any(m.outer.lr == 1.6 for m in small)
+    assert {m.H for m in small} == {p.H, p.H // 2, p.H // 4} and any(m.outer.lr == 1.6 for m in small)
+    assert {m.update_values for m in small if m.H == p.H // 2} == {"int2", "int4"}  # what int2 downloads cost
+    assert all(m.compression.values == "int2" for m in small if m.H == p.H // 2)
 
 
 def test_a_probe_measures_each_batch_against_its_own_ddp_and_alone():
