@@ -186,7 +186,22 @@ def assert_merged_exactly_once(http: httpx.Client, run: str, acks: dict[int, tup
     assert all(outcome == "merged" and reason is None for _, _, outcome, reason in rows)
 
     # final weights == an independent replay of the acknowledged bytes in seq order
-    snap = http.get(f"{protocol.API_PREFIX}/runs/{run}/snapshots/latest")
-    params, _ = decode_snapshot(snap.content, schema=param_schema(build_model(cfg.model)))
+    snap = _snapshot_of_version(http, run, len(acks))
+    params, _ = decode_snapshot(snap, schema=param_schema(build_model(cfg.model)))
     in_order = [(body, base) for body, _, base in sorted(acks.values(), key=lambda a: a[1])]
     assert_same(params, replay(cfg, in_order))
+
+
+def _snapshot_of_version(http: httpx.Client, run: str, version: int, timeout_s: float = 60.0) -> bytes:
+    """The run's newest snapshot once it is of `version`. A merged version need not have its snapshot
+    yet: one that took over 0.25 s (a loaded disk) holds the next ones back (settings.snapshot_duty)
+    until the idle merger catches up, so snapshots/latest may lag the run's version meanwhile."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        snap = http.get(f"{protocol.API_PREFIX}/runs/{run}/snapshots/latest")
+        assert snap.status_code == 200, snap.text
+        got = int(snap.headers[protocol.H_VERSION])
+        if got == version:
+            return snap.content
+        assert got < version and time.monotonic() < deadline, f"the newest snapshot is of version {got}, not {version}"
+        time.sleep(0.2)
