@@ -348,7 +348,11 @@ def settings(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, app_db_ur
     if app_db_url is None:  # SQLite in the data dir: a copy of the migrated, empty database
         data_dir.mkdir()
         shutil.copyfile(_sqlite_template(tmp_path_factory), data_dir / "idletrain.sqlite3")
-    return CoordinatorSettings(data_dir=data_dir, database_url=app_db_url, corpus_dirs=[corpus_dir])
+    # snapshot_duty 1: every merged version's snapshot is written at once, however long a loaded disk takes
+    # (at 0.2 one over 0.25 s holds the next back until the idle merger catches up, and a test reading
+    # snapshots/latest after drain() would see an older version); tests of the duty set their own
+    return CoordinatorSettings(data_dir=data_dir, database_url=app_db_url, corpus_dirs=[corpus_dir],
+                               snapshot_duty=1.0)
 
 
 # What the in-process app is asked for: a loopback name, as a local worker would (the default

@@ -171,7 +171,8 @@ def test_a_delta_too_stale_at_merge_time_is_rejected_not_applied(api, run_config
 @pytest.mark.parametrize("checkpoint", ["kept", "corrupt", "missing", "older"])
 def test_restart_resumes_with_identical_weights(tmp_path, open_api, run_config, make_delta, caplog, checkpoint):
     """Stop with 3 deltas merged and 2 acknowledged but queued; restart; everything merges once."""
-    settings = CoordinatorSettings(data_dir=tmp_path / "coord")
+    # snapshot_duty 1: every version's snapshot at once, as in conftest.settings
+    settings = CoordinatorSettings(data_dir=tmp_path / "coord", snapshot_duty=1.0)
     cfg_dict = run_config(**MANY_SHARDS)
     cfg = RunConfig.model_validate(cfg_dict)
     with open_api(settings) as api:
@@ -236,7 +237,8 @@ def test_restart_resumes_with_identical_weights(tmp_path, open_api, run_config, 
 
 def test_restart_after_checkpoint_every(tmp_path, open_api, run_config, make_delta):
     """Periodic checkpoints and snapshot clean-up, then a restart from the newest checkpoint."""
-    settings = CoordinatorSettings(data_dir=tmp_path / "coord", checkpoint_every=2, snapshot_keep=2)
+    settings = CoordinatorSettings(data_dir=tmp_path / "coord", checkpoint_every=2, snapshot_keep=2,
+                                   snapshot_duty=1.0)  # every version's snapshot at once, as in conftest.settings
     cfg_dict = run_config(**MANY_SHARDS)
     cfg = RunConfig.model_validate(cfg_dict)
     with open_api(settings) as api:
