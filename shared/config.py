@@ -40,8 +40,10 @@ class _OmitsDefaults(_Strict):
         return data
 
 
-class InnerConfig(_Strict):
+class InnerConfig(_OmitsDefaults):
     """The worker's local optimisation in one round (DiLoCo's inner loop)."""
+
+    OMITTED_AT_DEFAULT = ("second_moment_workers",)  # new in API version 3
 
     steps: int = Field(100, ge=1, le=100_000, description="H: local AdamW steps per round")
     batch_size: int = Field(16, ge=1, le=4096, description="sequences per local step")
@@ -57,6 +59,12 @@ class InnerConfig(_Strict):
     grad_clip: float = Field(1.0, ge=0, description="global grad-norm clip; 0 disables")
     beta1: float = Field(0.9, ge=0, lt=1)
     beta2: float = Field(0.95, ge=0, lt=1)
+    second_moment_workers: int = Field(
+        1, ge=1, le=1024,
+        description="1: AdamW, each worker's step normalised by its own batch. N: AdamW's second moment estimated "
+                    "for N workers' combined batch from the worker's consecutive gradients, so that N averaged "
+                    "workers step as far as ddp (shared/algorithms/group_adamw.py); at most outer.group. Wins in "
+                    "long runs of small batches, loses in short ones (docs/BENCHMARKS.md)")
 
 
 class CompressionConfig(_OmitsDefaults):
@@ -270,4 +278,8 @@ class RunConfig(_Strict):
             raise ValueError(f"give corpus ({self.corpus!r}) or data ({self.data!r}), not both")
         if self.shard_tokens < self.model.context + 1:
             raise ValueError(f"shard_tokens ({self.shard_tokens}) must exceed the context ({self.model.context})")
+        if self.inner.second_moment_workers > self.outer.group:
+            raise ValueError(f"inner.second_moment_workers ({self.inner.second_moment_workers}) exceeds outer.group "
+                             f"({self.outer.group}): each outer step averages group deltas, and a worker normalised "
+                             "for more steps further than ddp would; set it to outer.group or less")
         return self

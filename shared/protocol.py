@@ -141,9 +141,11 @@ def lease_compression(cfg: RunConfig) -> CompressionConfig:
 
 def lease_api_version(cfg: RunConfig) -> int:
     """The oldest worker API that takes the run's leases: a version-2 worker knows neither int2
-    values nor feedback_decay (CompressionConfig leaves a decay of 1 out of its JSON)."""
+    values, feedback_decay nor inner.second_moment_workers (their configs leave a decay of 1 and
+    second_moment_workers 1 out of their JSON)."""
     compression = lease_compression(cfg)
-    return 3 if compression.values == "int2" or compression.feedback_decay != 1.0 else 2
+    new = compression.values == "int2" or compression.feedback_decay != 1.0 or cfg.inner.second_moment_workers != 1
+    return 3 if new else 2
 
 
 class LeaseRenewed(_Body):

@@ -3,6 +3,7 @@
     registry.py    the algorithms (diloco, sparta, sparta+diloco): what a round starts from, what it
                    ends with, whether it exchanges; ALGORITHMS[cfg.algorithm] instead of name tests
     inner.py       local AdamW steps, lr schedule, pseudo-gradient (snapshot - local)
+    group_adamw.py AdamW normalised for the group's combined batch (the long-run inner optimiser)
     compress.py    sparsify (top-k or seeded random), quantise, error feedback
     outer.py       the merge rule: staleness weight, outer Nesterov step, delayed momentum
     flat_outer.py  the same rule on one flat vector, its momentum step lazy (the coordinator's form)

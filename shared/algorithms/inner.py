@@ -9,6 +9,7 @@ from typing import Protocol
 
 import torch
 
+from shared.algorithms.group_adamw import GroupAdamW
 from shared.config import InnerConfig
 from shared.data import sample_batch
 
@@ -20,12 +21,15 @@ def scheduled_lr(cfg: InnerConfig, *, tokens_done: int, schedule_tokens: int) ->
     return floor + 0.5 * (cfg.lr - floor) * (1.0 + math.cos(math.pi * progress))
 
 
-def make_optimizer(model: torch.nn.Module, cfg: InnerConfig) -> torch.optim.AdamW:
+def make_optimizer(model: torch.nn.Module, cfg: InnerConfig) -> torch.optim.Optimizer:
+    """AdamW (weight decay on matrices only), or with cfg.second_moment_workers > 1 the AdamW normalised
+    for that many workers' combined batch (group_adamw.GroupAdamW)."""
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
-    return torch.optim.AdamW(
-        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    if cfg.second_moment_workers > 1:
+        return GroupAdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), workers=cfg.second_moment_workers)
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))
 
 
 class GradSync(Protocol):

@@ -1,8 +1,9 @@
 """The replay spot-check's math (pure): re-train a lease's round and compare it with what was sent.
 
 The coordinator re-trains a sampled lease's round from the same base, shard, seed and lr with the
-same code a worker runs (inner.run_steps) and a fresh AdamW, and compares the decoded delta the
-worker sent with that replay's pseudo-gradient:
+same code a worker runs (inner.run_steps) and a fresh optimiser as the run makes it (AdamW, or the
+group-normalised one), and compares the decoded delta the worker sent with that replay's
+pseudo-gradient:
 
     cosine      cos(sent, replay), on the dense decoded delta
     norm_ratio  ||sent|| / ||replay||

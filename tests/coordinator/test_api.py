@@ -86,8 +86,9 @@ def test_create_run_then_duplicate_name_conflicts(api, run_config):
     {"corpus": "/nonexistent/corpus/folder"},  # refused by the service, not the schema
     {"shard_tokens": 1 << 20},  # the corpus is smaller than one shard
     {"model": {"context": 1100}, "eval_tokens": 1024, "shard_tokens": 4096},  # eval_tokens shorter than a context
+    {"inner": {"second_moment_workers": 3}},  # normalised for more workers than the group of 2
 ], ids=["name", "steps", "extra-field", "dense-fraction", "heads", "model-key", "shard-vs-context", "corpus",
-        "shard-vs-corpus", "eval-vs-context"])
+        "shard-vs-corpus", "eval-vs-context", "second-moment-vs-group"])
 def test_invalid_run_config_is_422_and_leaves_nothing_behind(api, run_config, overrides):
     resp = api.client.post(f"{API}/runs", json=run_config(**overrides), headers=api.admin)
     assert resp.status_code == 422, resp.text

@@ -59,16 +59,18 @@ def test_413_says_the_cap(open_api, settings, run_config):
         assert resp.headers[protocol.H_MAX_BODY] == "4096" and "4096" in resp.json()["detail"]
 
 
-@pytest.mark.parametrize("algorithm,compression,needs", [
-    ("diloco", {}, 2), ("diloco", {"index": "topk", "fraction": 0.02, "values": "int2"}, 3),
-    ("diloco", {"index": "topk", "fraction": 0.02, "feedback_decay": 0.95}, 3),
-    ("sparta+diloco", {"index": "topk", "fraction": 0.02, "values": "int2"}, 3),
-    ("sparta", {"index": "topk", "fraction": 0.02, "values": "int2", "feedback_decay": 0.95}, 2)])
+@pytest.mark.parametrize("algorithm,compression,needs,inner", [
+    ("diloco", {}, 2, {}), ("diloco", {"index": "topk", "fraction": 0.02, "values": "int2"}, 3, {}),
+    ("diloco", {"index": "topk", "fraction": 0.02, "feedback_decay": 0.95}, 3, {}),
+    ("sparta+diloco", {"index": "topk", "fraction": 0.02, "values": "int2"}, 3, {}),
+    ("sparta", {"index": "topk", "fraction": 0.02, "values": "int2", "feedback_decay": 0.95}, 2, {}),
+    ("diloco", {}, 3, {"second_moment_workers": 4})])
 def test_a_v2_worker_takes_leases_of_runs_it_can_read_and_is_told_to_upgrade_for_the_others(
-        api, run_config, algorithm, compression, needs):
-    """A run needs v3 only when its rounds end with a pseudo-gradient cut down by int2 or a decay: a
-    sparta round compresses nothing, and its lease carries the default compression, which v2 reads."""
-    cfg = run_config(algorithm=algorithm, compression=compression)
+        api, run_config, algorithm, compression, needs, inner):
+    """A run needs v3 only when its rounds end with a pseudo-gradient cut down by int2 or a decay (a
+    sparta round compresses nothing, and its lease carries the default compression, which v2 reads),
+    or when its workers' AdamW is normalised for the group."""
+    cfg = run_config(algorithm=algorithm, compression=compression, inner=inner)
     assert protocol.lease_api_version(protocol.RunConfig.model_validate(cfg)) == needs
     api.create_run(cfg)
     headers = {**api.register(), protocol.H_API_VERSION: "2"}

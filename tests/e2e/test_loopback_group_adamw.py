@@ -1,0 +1,74 @@
+"""The group-normalised AdamW end to end over real sockets on 127.0.0.1: one `idletrain coordinator
+serve` (re-training every delivered lease's round, spot-check rate 1) and two `idletrain worker run`
+processes train a run with inner.second_moment_workers = 2. The lease carries the setting, each
+worker's optimiser keeps the group's estimates (its saved state holds them), every delta merges, and
+the coordinator's replays, made with the run's optimiser, pass every round."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from idletrain.harness import free_port
+from tests import procs
+from tests.e2e.test_loopback_outer_warmup import Loopback
+from worker.state import decode_state
+
+ROUNDS = 3  # per worker
+WORKERS = 2
+
+
+@pytest.mark.slow
+def test_two_workers_train_with_the_groups_second_moment_over_loopback(tmp_path: Path, corpus_dir: Path):
+    lb = Loopback(tmp_path)
+    url = f"http://127.0.0.1:{free_port()}"
+    data = tmp_path / "data"
+    coord_log = lb.logs / "coordinator.log"
+    try:
+        coord = lb.spawn_with("coordinator", {"IDLETRAIN_SPOT_CHECK_RATE": "1"},
+                              "--log-level", "WARNING", "coordinator", "serve", "--host", "127.0.0.1",
+                              "--port", url.rsplit(":", 1)[1], "--data-dir", str(data), "--corpus-dir", str(corpus_dir))
+        with httpx.Client(base_url=url, timeout=120) as client:
+            procs.wait_healthy(client, coord, coord_log)
+            client.headers.update(procs.admin_headers(data))
+            created = client.post("/api/v1/runs", json={
+                "name": "group", "corpus": str(corpus_dir), "shard_tokens": 4096, "eval_tokens": 4096,
+                "eval_every": 2, "epochs": 0, "model": {"n_layer": 1, "d_model": 32, "n_head": 2, "context": 32},
+                "inner": {"steps": 10, "batch_size": 4, "lr": 3e-3, "warmup_steps": 3,
+                          "second_moment_workers": WORKERS},
+                "outer": {"group": WORKERS}})
+            assert created.status_code == 201, created.text
+
+            lb.train(url, "group", workers=WORKERS, rounds=ROUNDS)
+            acknowledged = WORKERS * ROUNDS
+            procs.wait_merged(client, "group", acknowledged, log=coord_log)
+            final = client.post("/api/v1/runs/group/evaluate")
+            assert final.status_code == 200, final.text
+            st = client.get("/api/v1/runs/group/status").json()
+            deadline = time.monotonic() + 120  # the replays run in the background, one round each
+            while True:
+                workers = client.get("/api/v1/runs/group/workers").json()
+                checks = [w["spot_checks"] for w in workers]
+                if sum(sum(c.values()) for c in checks) == acknowledged or time.monotonic() > deadline:
+                    break
+                time.sleep(0.5)
+            assert lb.started[0].poll() is None, procs.tail(coord_log)
+    finally:
+        lb.close()
+
+    assert st["merged_deltas"] == acknowledged and st["rejected_deltas"] == 0, st
+    losses = [e["loss"] for e in st["eval_history"]]
+    assert final.json()["loss"] < losses[0] - 0.05, (losses, final.json())
+    assert checks == [{"passed": ROUNDS}] * WORKERS, checks
+
+    for i in range(WORKERS):  # each worker's optimiser is the group's: its saved state holds the estimates
+        (state_file,) = (tmp_path / f"worker{i}").glob("runs/*/state.st")
+        state = decode_state(state_file.read_bytes())
+        assert state.inner["second_moment_workers"] == WORKERS
+        per_param = next(iter(state.optimizer.tensors.values()))
+        assert {"exp_avg", "signal", "noise", "prev_grad"} <= set(per_param), set(per_param)
+        assert "exp_avg_sq" not in per_param
+        assert state.optimizer.groups[0]["workers"] == WORKERS
