@@ -74,7 +74,8 @@ class Downloads:
             raise invalid_answer(f"lease {lease.lease_id!r}", exc) from None
         # sized at the rows per pass the trainer will use (a batch too big at once goes in micro-batches)
         too_big = memory.lease_too_big(checked.model, max_params=self.max_params,
-                                       batch_size=self.trainer.micro_batch(checked) or checked.inner.batch_size)
+                                       batch_size=self.trainer.micro_batch(checked) or checked.inner.batch_size,
+                                       group_adamw=checked.inner.second_moment_workers > 1)
         if too_big is not None:
             raise RuntimeError(f"run {lease.run!r}: {too_big}; not training it")
 

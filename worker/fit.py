@@ -112,11 +112,15 @@ def pick_micro_batch(cfg: ModelConfig, inner: InnerConfig, *, cap: int | None = 
     rows = min([batch] + [x for x in (inner.micro_batch_size, cap) if x is not None])
     if max_params is not None and rows > 1:
         n, budget = n_params(cfg), memory.budget_bytes(max_params)
-        if memory.round_bytes(n, cfg, batch_size=rows) > budget:
+
+        def need(rows: int) -> int:
+            return memory.round_bytes(n, cfg, batch_size=rows, group_adamw=inner.second_moment_workers > 1)
+
+        if need(rows) > budget:
             lo, hi = 1, rows  # the largest row count that fits: round_bytes grows with the rows
             while lo < hi:
                 mid = (lo + hi + 1) // 2
-                lo, hi = (mid, hi) if memory.round_bytes(n, cfg, batch_size=mid) <= budget else (lo, mid - 1)
+                lo, hi = (mid, hi) if need(mid) <= budget else (lo, mid - 1)
             rows = lo
     rows = math.ceil(batch / math.ceil(batch / rows))  # the same number of passes, evened out
     return None if rows >= batch else rows

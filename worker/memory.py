@@ -26,6 +26,9 @@ log = logging.getLogger(__name__)
 # the round's base snapshot (4: the pseudo-gradient is base - local), the error-feedback residual
 # (4) and the pseudo-gradient being compressed (4).
 BYTES_PER_PARAM = 28
+# With inner.second_moment_workers > 1 the optimiser is GroupAdamW (shared/algorithms/group_adamw.py),
+# which keeps four fp32 tensors a parameter instead of AdamW's two: 8 bytes more.
+GROUP_ADAMW_EXTRA_BYTES_PER_PARAM = 8
 # Activations kept for the backward pass, in fp32 values per token per layer per unit of d_model:
 # ln1 out (1), qkv (3), attention out (1), its projection (1), ln2 out (1), the MLP's hidden layer
 # before and after GELU (4 + 4), its output (1) and the two residual sums (2) = 18, rounded up to 20
@@ -107,9 +110,11 @@ def activation_bytes(cfg: ModelConfig, *, batch_size: int) -> int:
     return 4 * tokens * per_token
 
 
-def round_bytes(n_params: int, cfg: ModelConfig, *, batch_size: int) -> int:
-    """Bytes a round of `cfg` at `batch_size` sequences per step takes, all told."""
-    return n_params * BYTES_PER_PARAM + activation_bytes(cfg, batch_size=batch_size)
+def round_bytes(n_params: int, cfg: ModelConfig, *, batch_size: int, group_adamw: bool = False) -> int:
+    """Bytes a round of `cfg` at `batch_size` sequences per step takes, all told (group_adamw: the run's
+    inner.second_moment_workers is above 1, and its optimiser keeps two more tensors)."""
+    per_param = BYTES_PER_PARAM + (GROUP_ADAMW_EXTRA_BYTES_PER_PARAM if group_adamw else 0)
+    return n_params * per_param + activation_bytes(cfg, batch_size=batch_size)
 
 
 def snapshot_bytes(n_params: int) -> int:
@@ -123,14 +128,14 @@ def download_cap_bytes(max_params: int) -> int:
     return max(snapshot_bytes(max_params), MAX_SHARD_BYTES)
 
 
-def lease_too_big(cfg: ModelConfig, *, batch_size: int, max_params: int) -> str | None:
+def lease_too_big(cfg: ModelConfig, *, batch_size: int, max_params: int, group_adamw: bool = False) -> str | None:
     """Why a lease of `cfg` at `batch_size` does not fit a worker capped at `max_params` (None: it
     fits). The model is sized on the meta device: nothing is allocated, however large it claims to be."""
     n = sum(math.prod(shape) for shape in meta_schema(cfg).values())
     if n > max_params:
         return (f"its model has {n:,} parameters, above this worker's limit of {max_params:,} (--max-params or "
                 f"--max-memory; the default comes from this machine's memory)")
-    need, budget = round_bytes(n, cfg, batch_size=batch_size), budget_bytes(max_params)
+    need, budget = round_bytes(n, cfg, batch_size=batch_size, group_adamw=group_adamw), budget_bytes(max_params)
     if need > budget:
         return (f"a round of its model at batch {batch_size} x context {cfg.context} needs about "
                 f"{need / 1e9:.1f} GB ({n:,} parameters plus activations), above the {budget / 1e9:.1f} GB this "

@@ -136,3 +136,17 @@ def test_min_max_params_is_the_smallest_cap_a_lease_fits(cfg, batch):
     assert memory.lease_too_big(cfg, batch_size=batch, max_params=m - 1) is not None
     # a worker whose free memory is free_ram_for(m) gets that cap by default
     assert memory.default_max_params(Memory(total_ram=None, available_ram=memory.free_ram_for(m))) >= m
+
+
+def test_the_group_normalised_adamw_is_sized_with_its_two_more_tensors():
+    cfg = ModelConfig(n_layer=24, n_head=16, d_model=1024, context=1024)  # sized on paper: nothing allocated
+    n = cfg.n_params()
+    plain = memory.round_bytes(n, cfg, batch_size=16)
+    assert memory.round_bytes(n, cfg, batch_size=16, group_adamw=True) == plain + 8 * n
+    lo, hi = n, 100 * n  # the smallest cap that holds a round of AdamW...
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if memory.lease_too_big(cfg, batch_size=16, max_params=mid) is None else (mid + 1, hi)
+    assert memory.lease_too_big(cfg, batch_size=16, max_params=lo) is None
+    why = memory.lease_too_big(cfg, batch_size=16, max_params=lo, group_adamw=True)  # ...holds no round of it
+    assert why is not None and "--max-params" in why
