@@ -91,7 +91,7 @@ def methods_for(p: Profile, *, workers: int, hetero: float = 1.0) -> list[Method
         Method(f"sparta p=0.5% + diloco H={short_h}", "sparta+diloco", H=short_h, sparta_p=0.005, compression=dense8,
                outer=outer),
     ]
-    if p.extra_rows:  # DiLoCo's published outer optimiser, and the A/B of the look-ahead
+    if p.extra_rows:  # DiLoCo's published outer optimiser, the A/B of the look-ahead, the group's AdamW
         methods[3:3] = [
             Method(f"diloco H={short_h} (paper outer: lr 0.7, Nesterov 0.9), fp32", "diloco", H=short_h,
                    compression=dense32, outer=paper, update_values="int8"),
@@ -99,6 +99,9 @@ def methods_for(p: Profile, *, workers: int, hetero: float = 1.0) -> list[Method
                                 outer=outer.model_copy(update={"lookahead": False})),
             dataclasses.replace(int8, name=f"{int8.name}, synchronous (every round waits for all)", barrier=True),
         ]
+        # the long runs' inner optimiser (shared/algorithms/group_adamw.py) in a run of a few rounds
+        methods.append(dataclasses.replace(default, name=f"{default.name[:-len(' (default)')]}, group-normalised AdamW",
+                                           second_moment_workers=workers))
     if hetero != 1.0:  # the default method again with workers of unequal speed, side by side, and with
         # each worker's H scaled by its speed (Async Local-SGD's dynamic local steps)
         uneven = dataclasses.replace(default, name=f"{default.name}, speeds 1-{hetero:g}x", speed_spread=hetero)

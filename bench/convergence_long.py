@@ -106,6 +106,8 @@ def algorithm_methods(p: LongProfile, workers: int) -> list[Method]:
     sparse = CompressionConfig(index="topk", fraction=0.02, values="int2", error_feedback=True, feedback_decay=0.95)
     rows.append(dataclasses.replace(default, name="SparseLoCo: top-2% int2, EF decay 0.95, outer lr 1 no momentum",
                                     compression=sparse, outer=outer.model_copy(update={"lr": 1.0, "momentum": 0.0})))
+    rows.append(dataclasses.replace(default, name=f"group-normalised AdamW (second_moment_workers {workers})",
+                                    second_moment_workers=workers))
     rows += [
         dataclasses.replace(default, name="default, speeds 1-4x", speed_spread=4.0),
         dataclasses.replace(default, name="dynamic H (H x speed / mean), speeds 1-4x", speed_spread=4.0, dynamic_h=True),
@@ -115,8 +117,10 @@ def algorithm_methods(p: LongProfile, workers: int) -> list[Method]:
 
 def probe_methods(p: LongProfile, workers: int, batch: int) -> list[Method]:
     """The probe's rows beside the default at one batch: synchronous rounds (every worker waits for the
-    round's last delta: asynchrony's cost), and at the smallest batch the outer step's gain, H, and H / 2
-    at 2-bit values (more rounds for about the same bytes)."""
+    round's last delta: asynchrony's cost), and at the smallest batch the outer step's gain, H, H / 2
+    at 2-bit values (more rounds for about the same bytes), averaging every step in fp32 (what
+    averaging can capture at all) with each worker's AdamW and with the group-normalised one, and the
+    default with the group-normalised AdamW."""
     default = default_method(p, workers)
     rows = [dataclasses.replace(default, name="synchronous rounds", barrier=True)]
     if batch == min(p.probe_batches):
@@ -138,6 +142,13 @@ def probe_methods(p: LongProfile, workers: int, batch: int) -> list[Method]:
                                 compression=int2, update_values="int2"),
             dataclasses.replace(default, name=f"H={half}, int2 up, int4 down", H=half, compression=int2),
         ]
+        # the ceiling of averaging: synchronous, fp32 both ways, every single step (ddp's traffic and more),
+        # with each worker's own AdamW and with AdamW normalised for the group (group_adamw.py)
+        every = Method("synchronous fp32 averaging every step", "diloco", H=1, barrier=True, down="snapshot",
+                       outer=outer.model_copy(update={"lr": 1.0, "momentum": 0.0}))
+        group = f"group-normalised AdamW (second_moment_workers {workers})"
+        rows += [every, dataclasses.replace(every, name=f"{every.name}, {group}", second_moment_workers=workers),
+                 dataclasses.replace(default, name=group, second_moment_workers=workers)]
     return rows
 
 

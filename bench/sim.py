@@ -78,6 +78,9 @@ class Method:
     # Local-SGD's dynamic local steps, arXiv 2401.09135); False: every worker takes H steps a round
     dynamic_h: bool = False
     moments: MomentSchedule = MomentSchedule()  # diloco: DES-LOC's averaging of AdamW states (bench/moments.py)
+    # diloco: InnerConfig.second_moment_workers, each worker's AdamW normalised for this many workers'
+    # combined batch (shared/algorithms/group_adamw.py); 1: plain AdamW
+    second_moment_workers: int = 1
 
 
 @dataclasses.dataclass
@@ -148,10 +151,11 @@ def run_alone(setup: Setup, method: Method) -> Result:
 
 
 class _Replica:
-    def __init__(self, setup: Setup, i: int, init: dict[str, torch.Tensor]) -> None:
+    def __init__(self, setup: Setup, i: int, init: dict[str, torch.Tensor], *, second_moment_workers: int = 1) -> None:
         self.model = build_model(setup.model, seed=setup.seed).to(setup.device)
         set_params(self.model, init)
-        self.opt = make_optimizer(self.model, setup.inner)
+        self.opt = make_optimizer(self.model, setup.inner.model_copy(
+            update={"second_moment_workers": second_moment_workers}))
         self.gen = torch.Generator().manual_seed(setup.seed * 1000 + i + 1)
         self.steps = 0
         self.rounds = 0  # rounds trained (diloco)
@@ -250,7 +254,8 @@ def run_diloco(setup: Setup, method: Method, *, on_merge: Callable[[int], None] 
     init = get_params(build_model(setup.model, seed=setup.seed))
     state = OuterState.fresh(init)
     version = 0
-    replicas = [_Replica(setup, i, init) for i in range(setup.workers)]
+    replicas = [_Replica(setup, i, init, second_moment_workers=method.second_moment_workers)
+                for i in range(setup.workers)]
     speeds = speeds_for(setup.workers, method.speed_spread)
     local = local_steps(method, speeds)
     moments = MomentSync(method.moments) if method.moments.active else None

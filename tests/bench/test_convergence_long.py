@@ -32,6 +32,7 @@ def test_rows_per_replica_count_and_algorithms_at_the_largest():
     assert sum("Nesterov 0.9" in n for n in names) >= 3
     p = LONG_PROFILES["long"]
     assert all(m.outer.group == 8 for m in algorithm_methods(p, 8))
+    assert [m.second_moment_workers for m in algorithm_methods(p, 8) if m.second_moment_workers > 1] == [8]
     assert default_method(p, 4).outer.group == 4
 
 
@@ -140,7 +141,11 @@ def test_the_probe_compares_each_batch_with_its_own_baselines():
     names = [t.method.name for t in tasks]
     assert len(set(names)) == len(names) and all(n.startswith(f"B={t.batch}: ") for n, t in zip(names, tasks))
     small = [t.method for t in tasks if t.batch == min(p.probe_batches) and t.method.kind == "diloco"]
-    assert {m.H for m in small} == {p.H, p.H // 2, p.H // 4} and any(m.outer.lr == 1.6 for m in small)
+    assert {m.H for m in small} == {1, p.H, p.H // 2, p.H // 4} and any(m.outer.lr == 1.6 for m in small)
+    every = [m for m in small if m.H == 1]  # the ceiling of averaging: fp32, every step, with and without
+    assert all(m.barrier and m.compression.values == "fp32" for m in every)  # the group's normalisation
+    assert sorted(m.second_moment_workers for m in every) == [1, 8]
+    assert any(m.H == p.H and m.second_moment_workers == 8 and not m.barrier for m in small)
     assert {m.update_values for m in small if m.H == p.H // 2} == {"int2", "int4"}  # what int2 downloads cost
     assert all(m.compression.values == "int2" for m in small if m.H == p.H // 2)
 

@@ -150,3 +150,24 @@ def test_a_round_takes_the_lr_the_coordinator_would_lease(setup, monkeypatch):
     rounds = setup.total_steps // 2  # 12: 3 workers x 4 rounds of 2 steps
     delivered = [0] * setup.workers + list(range(1, rounds - setup.workers + 1))
     assert positions == [k * 2 * setup.tokens_per_step for k in delivered]
+
+
+def test_second_moment_workers_gives_each_replica_the_group_normalised_adamw(setup, monkeypatch):
+    from bench import sim
+    from shared.algorithms.group_adamw import GroupAdamW
+
+    made = []
+    real = sim.make_optimizer
+
+    def spy(model, cfg):
+        opt = real(model, cfg)
+        made.append(opt)
+        return opt
+
+    monkeypatch.setattr(sim, "make_optimizer", spy)
+    group = run_method(setup, Method("d", "diloco", H=2, outer=OuterConfig(group=8), second_moment_workers=8))
+    assert len(made) == setup.workers and all(isinstance(o, GroupAdamW) for o in made)
+    assert all(o.param_groups[0]["workers"] == 8 for o in made)
+    made.clear()
+    plain = run_method(setup, Method("d", "diloco", H=2, outer=OuterConfig(group=8)))
+    assert all(type(o).__name__ == "AdamW" for o in made) and plain.eval_loss != group.eval_loss
