@@ -100,8 +100,8 @@ def methods_for(p: Profile, *, workers: int, hetero: float = 1.0) -> list[Method
             dataclasses.replace(int8, name=f"{int8.name}, synchronous (every round waits for all)", barrier=True),
         ]
         # the long runs' inner optimiser (shared/algorithms/group_adamw.py) in a run of a few rounds
-        methods.append(dataclasses.replace(default, name=f"{default.name[:-len(' (default)')]}, group-normalised AdamW",
-                                           second_moment_workers=workers))
+        methods.append(dataclasses.replace(default, name=f"{default.name.removesuffix(' (default)')}, group-normalised "
+                                           "AdamW", second_moment_workers=workers))
     if hetero != 1.0:  # the default method again with workers of unequal speed, side by side, and with
         # each worker's H scaled by its speed (Async Local-SGD's dynamic local steps)
         uneven = dataclasses.replace(default, name=f"{default.name}, speeds 1-{hetero:g}x", speed_spread=hetero)

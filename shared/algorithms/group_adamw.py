@@ -17,9 +17,11 @@ gradients g_t, g_{t-1}, two independent batches at nearly the same weights:
 both EMAs at `estimate_beta` (0.99) and bias-corrected as AdamW's. The first step (no pair yet) takes
 plain AdamW's v = g^2. 0.99 and not AdamW's beta2 (0.95): max(signal, 0) of a short, noisy signal EMA
 biases v upward, and over the long profile's 100 rounds 0.95 kept 25% of ddp's gain against 0.99's
-34% (docs/BENCHMARKS.md); in its first 25 rounds 0.95 was the better, 22% against 18%. N = 1 is close to AdamW (`make_optimizer` then returns torch's own AdamW); N should
-not exceed the workers whose deltas are averaged into each outer step (OuterConfig.group): a larger
-N steps further than ddp would. Memory: four tensors a parameter (the first moment, the two EMAs, the
+34% (docs/BENCHMARKS.md); in its first 25 rounds 0.95 was the better, 22% against 18%.
+
+For N = 1 `make_optimizer` returns torch's own AdamW. N should not exceed the workers whose deltas
+are averaged into each outer step (OuterConfig.group; RunConfig refuses more): a larger N steps
+further than ddp would. Memory: four tensors a parameter (the first moment, the two EMAs, the
 last gradient), where AdamW keeps two. Weight decay is AdamW's (decoupled); `make_optimizer`
 (inner.py) builds it from InnerConfig.second_moment_workers.
 """
