@@ -64,7 +64,7 @@ def test_413_says_the_cap(open_api, settings, run_config):
     ("diloco", {"index": "topk", "fraction": 0.02, "feedback_decay": 0.95}, 3, {}),
     ("sparta+diloco", {"index": "topk", "fraction": 0.02, "values": "int2"}, 3, {}),
     ("sparta", {"index": "topk", "fraction": 0.02, "values": "int2", "feedback_decay": 0.95}, 2, {}),
-    ("diloco", {}, 3, {"second_moment_workers": 4})])
+    ("diloco", {}, 3, {"second_moment_workers": 2})])
 def test_a_v2_worker_takes_leases_of_runs_it_can_read_and_is_told_to_upgrade_for_the_others(
         api, run_config, algorithm, compression, needs, inner):
     """A run needs v3 only when its rounds end with a pseudo-gradient cut down by int2 or a decay (a
