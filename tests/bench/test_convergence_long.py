@@ -32,8 +32,28 @@ def test_rows_per_replica_count_and_algorithms_at_the_largest():
     assert sum("Nesterov 0.9" in n for n in names) >= 3
     p = LONG_PROFILES["long"]
     assert all(m.outer.group == 8 for m in algorithm_methods(p, 8))
-    assert [m.second_moment_workers for m in algorithm_methods(p, 8) if m.second_moment_workers > 1] == [8]
+    grouped = [m for m in algorithm_methods(p, 8) if m.second_moment_workers > 1]
+    assert {m.second_moment_workers for m in grouped} == {8}
+    assert [(m.H, m.compression.values) for m in grouped] == [(p.H, "int4"), (p.H // 4, "int4"), (p.H // 8, "int4"),
+                                                              (p.H // 2, "int2"), (p.H // 4, "int2")]
     assert default_method(p, 4).outer.group == 4
+    assert all(t.method.H >= 1 for name in LONG_PROFILES for t in tasks_for(name))  # the tiny profile's H is 3
+
+
+def test_the_default_and_the_best_row_are_repeated_at_other_seeds():
+    p = LONG_PROFILES["long"]
+    seeded = [t for t in tasks_for("long") if t.seed]
+    assert sorted(t.seed for t in seeded) == sorted(long.SEEDS * 2)
+    assert all(t.method.name.endswith(f", seed {t.seed}") and t.method.H == p.H and t.replicas == 8 for t in seeded)
+    assert {t.method.second_moment_workers for t in seeded} == {1, 8}
+    assert long.setup_for(p, 8, seed=2).seed == 2 and long.setup_for(p, 8).seed == 0
+
+
+def test_a_seed_changes_the_run(one_torch_thread):
+    p = LONG_PROFILES["long-tiny"]
+    losses = [long.run_task(long.Task("long-tiny", 2, default_method(p, 2), seed=s), threads=None).eval_loss
+              for s in (0, 0, 1)]
+    assert losses[0] == losses[1] != losses[2]  # the same seed trains the same, another seed otherwise
 
 
 def test_captured_gain_is_measured_against_the_best_ddp():
@@ -141,13 +161,15 @@ def test_the_probe_compares_each_batch_with_its_own_baselines():
     names = [t.method.name for t in tasks]
     assert len(set(names)) == len(names) and all(n.startswith(f"B={t.batch}: ") for n, t in zip(names, tasks))
     small = [t.method for t in tasks if t.batch == min(p.probe_batches) and t.method.kind == "diloco"]
-    assert {m.H for m in small} == {1, p.H, p.H // 2, p.H // 4} and any(m.outer.lr == 1.6 for m in small)
+    assert {m.H for m in small} == {1, p.H, p.H // 2, p.H // 4, p.H // 8} and any(m.outer.lr == 1.6 for m in small)
     every = [m for m in small if m.H == 1]  # the ceiling of averaging: fp32, every step, with and without
     assert all(m.barrier and m.compression.values == "fp32" for m in every)  # the group's normalisation
     assert sorted(m.second_moment_workers for m in every) == [1, 8]
     assert any(m.H == p.H and m.second_moment_workers == 8 and not m.barrier for m in small)
     assert {m.update_values for m in small if m.H == p.H // 2} == {"int2", "int4"}  # what int2 downloads cost
     assert all(m.compression.values == "int2" for m in small if m.H == p.H // 2)
+    grouped = {(m.H, m.compression.values) for m in small if m.second_moment_workers == 8 and not m.barrier}
+    assert grouped == {(p.H, "int4"), (p.H // 4, "int4"), (p.H // 8, "int4"), (p.H // 2, "int2"), (p.H // 4, "int2")}
 
 
 def test_a_probe_measures_each_batch_against_its_own_ddp_and_alone():
