@@ -57,17 +57,22 @@ def plot(rows: list[dict], path: Path, *, title: str) -> None:
     else:
         panels.append((f"M = {top}: algorithms against the default",
                        [r for r in rows if r["replicas"] == top and r["kind"] != "alone"]))
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 4.4), sharey=True)
+    most = max(len(group) for _, group in panels)
+    # the legends go under the panels (one line a row), so that a panel of twenty curves stays readable
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 4.4 + 0.12 * most), sharey=True)
     lows = [loss for r in rows for _, loss in r["curve"]]
     finals = [r["curve"][-1][1] for r in rows]
+    strong = plt.get_cmap("tab20").colors
+    colours = strong[0::2] + strong[1::2]  # the ten strong colours first, then their light twins
     for ax, (name, group) in zip(axes, panels):
-        for r in group:
+        for i, r in enumerate(group):
             t, loss = zip(*r["curve"])
-            ax.plot([x / 1e6 for x in t], loss, linewidth=1.2, label=r["method"])
+            ax.plot([x / 1e6 for x in t], loss, linewidth=1.2, label=r["method"], color=colours[i % len(colours)],
+                    linestyle=("-", "--")[i // len(colours) % 2])
         ax.set_title(name, fontsize=9)
         ax.set_xlabel("tokens trained (millions)")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=6)
+        ax.legend(fontsize=6, loc="upper center", bbox_to_anchor=(0.5, -0.17), frameon=False)
     axes[0].set_ylabel("held-out loss (nats/token)")
     axes[0].set_ylim(min(lows) * 0.97, max(min(lows) * 1.5, max(finals) * 1.05))
     fig.suptitle(title, fontsize=10)
