@@ -75,6 +75,8 @@ LONG_PROFILES = {
 
 
 SEEDS = (1, 2)  # the repeats of the long profile's default and best rows (seed 0: every row)
+# every element at int2 (2.25 bits a value, error feedback): about half the bytes of the default's int4 a round
+DENSE_INT2 = CompressionConfig(index="dense", values="int2", error_feedback=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,9 +124,8 @@ def algorithm_methods(p: LongProfile, workers: int) -> list[Method]:
     # setting, RunConfig.update_values takes int8 / int4)
     rows += [group] + [dataclasses.replace(group, name=f"{group.name}, H={h} ({p.H // h}x the rounds and traffic)",
                                            H=h) for h in shorter(p, (4, 8))]
-    int2 = CompressionConfig(index="dense", values="int2", error_feedback=True)
     rows += [dataclasses.replace(group, name=f"{group.name}, H={h}, int2 up and down", H=h,
-                                 compression=int2, update_values="int2") for h in shorter(p, (2, 4))]
+                                 compression=DENSE_INT2, update_values="int2") for h in shorter(p, (2, 4))]
     rows += [
         dataclasses.replace(default, name="default, speeds 1-4x", speed_spread=4.0),
         dataclasses.replace(default, name="dynamic H (H x speed / mean), speeds 1-4x", speed_spread=4.0, dynamic_h=True),
@@ -152,12 +153,11 @@ def probe_methods(p: LongProfile, workers: int, batch: int) -> list[Method]:
         ]
         # twice the rounds in about the default's bytes: int2 (2.25 bits) instead of int4 (4.125) both ways;
         # int2 downloads are a simulator-only setting (RunConfig.update_values takes int8 / int4)
-        int2 = CompressionConfig(index="dense", values="int2", error_feedback=True)
         half = p.H // 2
         rows += [
             dataclasses.replace(default, name=f"H={half}, int2 up and down (2x the rounds, ~the bytes)", H=half,
-                                compression=int2, update_values="int2"),
-            dataclasses.replace(default, name=f"H={half}, int2 up, int4 down", H=half, compression=int2),
+                                compression=DENSE_INT2, update_values="int2"),
+            dataclasses.replace(default, name=f"H={half}, int2 up, int4 down", H=half, compression=DENSE_INT2),
         ]
         # the ceiling of averaging: synchronous, fp32 both ways, every single step (ddp's traffic and more),
         # with each worker's own AdamW and with AdamW normalised for the group (group_adamw.py)
@@ -170,7 +170,7 @@ def probe_methods(p: LongProfile, workers: int, batch: int) -> list[Method]:
         # and at int2 (about half the bytes a round) -- the captured gain as a function of traffic
         grouped = dataclasses.replace(default, second_moment_workers=workers)
         rows += [dataclasses.replace(grouped, name=f"{group}, H={h}", H=h) for h in shorter(p, (4, 8))]
-        rows += [dataclasses.replace(grouped, name=f"{group}, H={h}, int2 up and down", H=h, compression=int2,
+        rows += [dataclasses.replace(grouped, name=f"{group}, H={h}, int2 up and down", H=h, compression=DENSE_INT2,
                                      update_values="int2") for h in shorter(p, (2, 4))]
     return rows
 
