@@ -198,6 +198,14 @@ class Storage:
         """The int8 change between two versions (shared/algorithms/sync.py), built on first request."""
         return f"{self.updates(run_id)}/{from_version:010d}-{to_version:010d}.delta"
 
+    def copies(self, run_id: int) -> str:
+        """The folder of the workers' model copies of a run with update_feedback: `<sha256>.f32`, each
+        copy's tensors in name order as little-endian float32, named by sync.copy_digest."""
+        return f"{self.run_dir(run_id)}/copies"
+
+    def copy(self, run_id: int, digest: str) -> str:
+        return f"{self.copies(run_id)}/{digest}.f32"
+
     def deltas(self, run_id: int) -> str:
         """The folder of a run's received deltas: one per sequence number (`<seq>.delta`), the staged
         ones of uploads not merged yet (`staged_delta`) and the prune mark (PRUNED_MARK)."""

@@ -81,9 +81,10 @@ class CompressionConfig(_OmitsDefaults):
                              "topk: the largest-magnitude fraction (packed indices travel)")
     fraction: float = Field(None, gt=0, le=1, validate_default=False,
                             description="share of each tensor's elements sent (default: 1 for dense, 0.1 otherwise)")
-    values: Literal["fp32", "fp16", "int8", "int4", "int2"] = Field(
+    values: Literal["fp32", "fp16", "int8", "int4", "int2", "int1"] = Field(
         "int4", description="int8/int4: per-block scales; int2: a sign and one of two fitted magnitudes per "
-                            "block, for topk values (shared/codec/values.py)")
+                            "block, for topk values; int1: a sign and the block's mean magnitude, for dense "
+                            "values under error feedback (shared/codec/values.py)")
     OMITTED_AT_DEFAULT = ("feedback_decay",)  # new in API version 3
 
     error_feedback: bool = Field(True, description="keep what was not sent and add it to the next round")
@@ -217,7 +218,9 @@ class TokensConfig(_Strict):
                              "a vocab above 65,536")
 
 
-class RunConfig(_Strict):
+class RunConfig(_OmitsDefaults):
+    OMITTED_AT_DEFAULT = ("update_feedback",)  # new in API version 4
+
     name: str = Field(pattern=NAME_PATTERN)
     algorithm: AlgorithmName = Field(
         "diloco", description="diloco: H local steps, then a compressed pseudo-gradient merged with outer "
@@ -242,9 +245,14 @@ class RunConfig(_Strict):
                                  description="if set, workers must present it to register")
     inner: InnerConfig = Field(default_factory=InnerConfig)
     compression: CompressionConfig = Field(default_factory=CompressionConfig)
-    update_values: Literal["int8", "int4"] = Field(
+    update_values: Literal["int8", "int4", "int2", "int1"] = Field(
         "int4", description="values of the incremental model updates workers download (GET /updates): int4 "
-                            "halves those bytes for a little more rounding (docs/BENCHMARKS.md)")
+                            "halves those bytes for a little more rounding (docs/BENCHMARKS.md); int2 and int1 "
+                            "only with update_feedback")
+    update_feedback: bool = Field(
+        False, description="each model update is the change from the worker's own copy, which the coordinator "
+                           "keeps, so its rounding is carried into the next update instead of adding up "
+                           "(shared/algorithms/sync.py); costs the coordinator one fp32 model per worker on disk")
     outer: OuterConfig = Field(default_factory=OuterConfig)
     sparta: SpartaConfig = Field(default_factory=SpartaConfig)
     robust: RobustConfig = Field(default_factory=RobustConfig)
@@ -278,6 +286,10 @@ class RunConfig(_Strict):
             raise ValueError(f"give corpus ({self.corpus!r}) or data ({self.data!r}), not both")
         if self.shard_tokens < self.model.context + 1:
             raise ValueError(f"shard_tokens ({self.shard_tokens}) must exceed the context ({self.model.context})")
+        if self.update_values in ("int2", "int1") and not self.update_feedback:
+            raise ValueError(f"update_values {self.update_values!r} needs update_feedback: without it each update's "
+                             "rounding (up to 0.6 of the change at int1) adds up until the next snapshot; set "
+                             "update_feedback true, or update_values int8 or int4")
         if self.inner.second_moment_workers > self.outer.group:
             raise ValueError(f"inner.second_moment_workers ({self.inner.second_moment_workers}) exceeds outer.group "
                              f"({self.outer.group}): each outer step averages group deltas, and a worker normalised "

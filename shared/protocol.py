@@ -17,9 +17,11 @@ from shared.model import ModelConfig
 # 2: leases carry the token dtype and the tokenizer's hash, the model's arch fields and the inner
 # micro-batch; a version-1 worker would refuse them, so it is told to upgrade instead.
 # 3: a lease's compression may send int2 values or decay its error feedback (feedback_decay); a
-# version-2 worker still takes the leases of runs without them (lease_api_version). A worker of this
-# release speaks any version from MIN_API_VERSION up: the highest its coordinator serves.
-API_VERSION = 3
+# version-2 worker still takes the leases of runs without them (lease_api_version).
+# 4: a lease's compression may send int1 values, and a run's model updates may be taken from the worker's
+# copy (RunConfig.update_feedback, int2 / int1 updates); older workers still take the leases of runs without.
+# A worker of this release speaks any version from MIN_API_VERSION up: the highest its coordinator serves.
+API_VERSION = 4
 # The oldest worker API this coordinator still serves: a worker of MIN_API_VERSION..API_VERSION works,
 # one outside it is answered 426 and told what to install (worker requests say theirs in H_API_VERSION).
 MIN_API_VERSION = 2
@@ -29,6 +31,7 @@ API_PREFIX = "/api/v1"
 H_SHA256 = "X-Content-SHA256"  # hex SHA-256 of the body as sent
 H_VERSION = "X-Model-Version"
 H_BASE_VERSION = "X-Base-Version"
+H_UPDATE_FEEDBACK = "X-Update-Feedback"  # "1" on a model update taken from the worker's copy (update_feedback)
 H_API_VERSION = "X-Idletrain-Api"  # on a worker's requests: its API version (absent: the current one)
 H_MAX_BODY = "X-Max-Body-Bytes"  # on a 413: the largest body the route takes
 
@@ -140,10 +143,13 @@ def lease_compression(cfg: RunConfig) -> CompressionConfig:
 
 
 def lease_api_version(cfg: RunConfig) -> int:
-    """The oldest worker API that takes the run's leases: a version-2 worker knows neither int2
-    values, feedback_decay nor inner.second_moment_workers (their configs leave a decay of 1 and
-    second_moment_workers 1 out of their JSON)."""
+    """The oldest worker API that takes the run's leases: a version-3 worker knows neither int1 values
+    nor update_feedback's copies;
+    a version-2 worker knows neither int2 values, feedback_decay nor inner.second_moment_workers (their
+    configs leave a decay of 1 and second_moment_workers 1 out of their JSON)."""
     compression = lease_compression(cfg)
+    if compression.values == "int1" or cfg.update_feedback:  # int1 updates come only with update_feedback
+        return 4
     new = compression.values == "int2" or compression.feedback_decay != 1.0 or cfg.inner.second_moment_workers != 1
     return 3 if new else 2
 
@@ -360,6 +366,7 @@ class RunMetrics(_Body):
 
 __all__ = [
     "API_PREFIX", "API_VERSION", "DeltaAccepted", "EvalPoint", "H_API_VERSION", "H_BASE_VERSION", "H_MAX_BODY",
+    "H_UPDATE_FEEDBACK",
     "H_SHA256", "H_VERSION", "MIN_API_VERSION", "lease_api_version", "lease_compression",
     "Health", "Lease", "RegisterRequest", "RegisterResponse", "RunConfig", "RunCreated", "RunStatus", "RunSummary",
     "WorkerInfo", "LeaseRenewed", "Dashboard", "LeaderboardEntry", "LiveWorker", "RunMetrics", "TeamEntry",

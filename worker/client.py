@@ -310,12 +310,16 @@ class CoordinatorClient:
             raise IntegrityError(f"snapshot {asked}: the coordinator answered version {value}")
         return int(value)
 
-    def model_update(self, run: str, from_version: int, to_version: int) -> bytes:
-        """The int8 change from one version to another (shared/algorithms/sync.py), hash-checked."""
-        resp = self._download(f"{protocol.API_PREFIX}/runs/{run}/updates/{from_version}/{to_version}")
+    def model_update(self, run: str, from_version: int, to_version: int, *,
+                     copy: str | None = None) -> tuple[bytes, bool]:
+        """(the int8 change from one version to another (shared/algorithms/sync.py), hash-checked; whether
+        it was taken from the worker's copy: the run's update_feedback). `copy`: the copy_digest of the
+        copy held, for a run with update_feedback."""
+        path = f"{protocol.API_PREFIX}/runs/{run}/updates/{from_version}/{to_version}"
+        resp = self._download(f"{path}/{copy}" if copy else path)
         if hashlib.sha256(resp.content).hexdigest() != resp.headers.get(protocol.H_SHA256, ""):
             raise IntegrityError(f"update {from_version}->{to_version} does not match its announced SHA-256")
-        return resp.content
+        return resp.content, resp.headers.get(protocol.H_UPDATE_FEEDBACK) == "1"
 
     def shard(self, run: str, index: int, *, expected_sha256: str, max_tokens: int = 1 << 30) -> bytes:
         """The raw tokens of a shard (little-endian ids of the lease's token_dtype), checked against the

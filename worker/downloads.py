@@ -4,8 +4,11 @@ too), its base model, kept current at the least cost, and its shard.
 The base model: the copy held when the lease's base version is that copy's; else the change since
 it (an int8 or int4 model update, a fraction of a snapshot's bytes, GET /updates/{from}/{to});
 else the full snapshot (the first time, after sync.MAX_HOPS updates in a row, or when the
-coordinator no longer keeps the version held). Version 0, the first time, is built here from the
-run's seed, and only its hash is checked (a 304, no body).
+coordinator no longer keeps the version held). In a run with update_feedback the change is taken
+from the copy itself (GET /updates/{from}/{to}/{copy_digest}), so its rounding does not add up and
+no number of updates in a row calls for a snapshot; the coordinator says so on each such update.
+Version 0, the first time, is built here from the run's seed, and only its hash is checked (a 304,
+no body).
 
 The shard: the cached copy (worker/caches.py, hashed again), else downloaded and checked, and
 fetched again with backoff when it fails its hash or its zstd; its ids are the lease's token_dtype
@@ -58,7 +61,8 @@ class Downloads:
         self.client, self.shards, self.stop, self.trainer = client, shards, stop, trainer
         self.max_params = max_params
         self.held: tuple[int, dict[str, torch.Tensor]] | None = None  # (version, params)
-        self.hops = 0  # incremental updates applied since the last full snapshot
+        self.hops = 0  # incremental updates applied since the last full snapshot (update_feedback's: not counted)
+        self.feedback_runs: set[str] = set()  # runs whose updates came from this worker's copy (update_feedback)
         self.join_bytes: int | None = None  # what the first base cost to download (0: version 0 built here)
         self.tokenizers = ShardCache.tokenizers(shards.root.parent)  # beside the shards
         self.tokenizers_seen: set[str] = set()  # fetched (or tried) by this process
@@ -141,13 +145,16 @@ class Downloads:
         """The held copy moved to the lease's base version by the coordinator's model update; None
         when there is none to use (the snapshot is downloaded instead)."""
         try:
-            blob = self.client.model_update(lease.run, held[0], lease.base_version)
+            copy = sync.copy_digest(held[1]) if lease.run in self.feedback_runs else None
+            blob, feedback = self.client.model_update(lease.run, held[0], lease.base_version, copy=copy)
             update = codec.decode(blob, schema=schema)
             if update.base_version != held[0]:
                 raise DeltaFormatError(f"update starts at version {update.base_version}, not {held[0]}")
             params = {n: t.clone() for n, t in held[1].items()}
             sync.apply_update(params, update)
-            self.held, self.hops = (lease.base_version, params), self.hops + 1
+            if feedback:  # the coordinator now holds this very copy: its rounding is carried, not added up
+                self.feedback_runs.add(lease.run)
+            self.held, self.hops = (lease.base_version, params), 0 if feedback else self.hops + 1
             return params
         except CoordinatorError as exc:
             if exc.status not in (404, 410, 422):

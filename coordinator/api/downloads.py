@@ -3,6 +3,7 @@ the run's tokenizer."""
 
 from __future__ import annotations
 
+import functools
 from typing import Annotated
 
 from fastapi import APIRouter, Path, Request, Response
@@ -37,11 +38,29 @@ async def snapshot(run: str, request: Request, coord: CoordinatorDep,
 @router.get("/runs/{run}/updates/{from_version}/{to_version}", response_class=Response, responses=_BINARY)
 async def model_update(run: str, from_version: RowId, to_version: RowId, coord: CoordinatorDep) -> Response:
     """The change from one version to a later one, int8 (a delta envelope: add it to version
-    `from_version`'s weights). 410 when `from_version` is no longer kept: fetch the snapshot."""
-    blob, sha = await run_in_threadpool(coord.downloads.model_update, run, from_version, to_version)
-    return Response(blob, media_type="application/octet-stream", headers={
-        protocol.H_SHA256: sha, protocol.H_VERSION: str(to_version), "ETag": f'"{sha}"',
-        "Cache-Control": "public, max-age=31536000, immutable"})
+    `from_version`'s weights). 410 when `from_version` is no longer kept: fetch the snapshot.
+    With the run's update_feedback it is taken from version `from_version` as a worker's copy, and
+    says so in X-Update-Feedback: 1."""
+    return await _update(coord, run, from_version, to_version, None)
+
+
+@router.get("/runs/{run}/updates/{from_version}/{to_version}/{copy}", response_class=Response, responses=_BINARY)
+async def model_update_from_copy(run: str, from_version: RowId, to_version: RowId, coord: CoordinatorDep,
+                                 copy: Annotated[str, Path(pattern=protocol.SHA256_PATTERN)]) -> Response:
+    """A run with update_feedback: the change from the worker's copy of version `from_version` whose
+    copy_digest is `copy` (shared/algorithms/sync.py), X-Update-Feedback: 1; 410 when that copy is not
+    kept (fetch the snapshot). A run without: the same as without `copy`."""
+    return await _update(coord, run, from_version, to_version, copy)
+
+
+async def _update(coord, run: str, from_version: int, to_version: int, copy: str | None) -> Response:
+    blob, sha, feedback = await run_in_threadpool(
+        functools.partial(coord.downloads.model_update, run, from_version, to_version, copy=copy))
+    headers = {protocol.H_SHA256: sha, protocol.H_VERSION: str(to_version), "ETag": f'"{sha}"',
+               "Cache-Control": "public, max-age=31536000, immutable"}
+    if feedback:
+        headers[protocol.H_UPDATE_FEEDBACK] = "1"
+    return Response(blob, media_type="application/octet-stream", headers=headers)
 
 
 @router.get("/runs/{run}/shards/{shard}", response_class=Response, responses=_BINARY)

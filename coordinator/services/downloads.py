@@ -1,10 +1,13 @@
-"""Downloads: model snapshots, model updates (the int8 change between two kept versions), shards and
-the run's tokenizer."""
+"""Downloads: model snapshots, model updates (the int8 change between two kept versions, or with the
+run's update_feedback the change from the worker's own copy), shards and the run's tokenizer."""
 
 from __future__ import annotations
 
 import hashlib
 import threading
+
+import numpy as np
+import torch
 
 from coordinator.db import Database
 from coordinator.errors import Forbidden, Gone, NotFound, Unprocessable
@@ -19,6 +22,10 @@ from shared.algorithms import sync
 from shared.config import RunConfig
 from shared.snapshot import decode_snapshot
 from shared.tokenizer import bytes_tokenizer
+
+# The workers' copies a run with update_feedback keeps (the newest, each one fp32 model): a worker whose
+# copy is gone is answered 410 and takes the snapshot, so this bounds the disk, never correctness.
+MAX_COPIES = 64
 
 
 class DownloadService:
@@ -50,14 +57,18 @@ class DownloadService:
         self.traffic.add(row.run_id, down_model=len(blob))
         return blob, v, row.sha256
 
-    def model_update(self, run_name: str, from_version: int, to_version: int) -> tuple[bytes, str]:
-        """(blob, sha256): the change from one kept version to a later one, int8 or int4 by the run's
-        update_values (shared/algorithms/sync.py).
+    def model_update(self, run_name: str, from_version: int, to_version: int, *,
+                     copy: str | None = None) -> tuple[bytes, str, bool]:
+        """(blob, sha256, from the worker's copy): the change from one kept version to a later one, int8
+        or int4 by the run's update_values (shared/algorithms/sync.py).
 
         Built once per (from, to) and kept beside the snapshots, so the workers that hold the same
         version share it: one build at a time per process, and requests arriving during a build of
         their pair wait for its blob instead of building it again. A version that is no longer kept
-        answers 410 (fetch the full snapshot)."""
+        answers 410 (fetch the full snapshot).
+
+        With the run's update_feedback, the change from the worker's copy `copy` (its copy_digest; none:
+        the worker holds `from_version` itself) instead: see feedback_update."""
         if to_version <= from_version:
             raise Unprocessable(f"an update goes forward: {from_version} -> {to_version} does not")
         with self.db.read() as c:
@@ -65,6 +76,12 @@ class DownloadService:
             if to_version > run.version:
                 raise NotFound(f"run {run_name!r} has no version {to_version} (latest is {run.version})")
             kept = version_rows.kept(c, run.id, [from_version, to_version])
+        if RunConfig.model_validate_json(run.config_json).update_feedback:
+            if to_version not in kept:
+                raise Gone(f"version {to_version} is no longer kept; fetch the latest snapshot instead")
+            blob = self.feedback_update(run.id, run.config_json, from_version, to_version, copy)
+            self.traffic.add(run.id, down_model=len(blob))
+            return blob, hashlib.sha256(blob).hexdigest(), True
         if len(kept) < 2:
             missing = from_version if from_version not in kept else to_version
             raise Gone(f"version {missing} is no longer kept; fetch snapshots/{to_version} instead")
@@ -80,7 +97,60 @@ class DownloadService:
                     self.storage.write(name, blob)
                     self.updates_built += 1
         self.traffic.add(run.id, down_model=len(blob))
-        return blob, hashlib.sha256(blob).hexdigest()
+        return blob, hashlib.sha256(blob).hexdigest(), False
+
+    def feedback_update(self, run_id: int, config_json: str, from_version: int, to_version: int,
+                        copy: str | None) -> bytes:
+        """The change from the worker's copy to `to_version` (sync.feedback_update), and the copy it
+        makes kept under its digest for the worker's next update. The copy is one this run kept, or
+        `from_version`'s snapshot when `copy` is its digest or not given; any other answers 410 (a copy
+        pruned, or one the worker made some other way: it takes the snapshot). Built on every request
+        (a retry builds the same bytes: same copy, same version, same rounding)."""
+        schema = self.live.schema_of(run_id)
+        values = RunConfig.model_validate_json(config_json).update_values
+        with self._update_build_lock:
+            base = self._read_copy(run_id, copy, schema) if copy is not None else None
+            if base is None:
+                try:
+                    base, _ = decode_snapshot(self.storage.read(self.storage.snapshot(run_id, from_version)),
+                                              schema=schema)
+                except FileNotFoundError:
+                    raise Gone(f"version {from_version} is no longer kept; fetch snapshots/{to_version}") from None
+                if copy is not None and sync.copy_digest(base) != copy:
+                    raise Gone(f"the copy {copy[:12]}... is not kept here; fetch snapshots/{to_version}")
+            try:
+                new, _ = decode_snapshot(self.storage.read(self.storage.snapshot(run_id, to_version)), schema=schema)
+            except FileNotFoundError:
+                raise Gone(f"version {to_version} is no longer kept; fetch the latest snapshot") from None
+            blob, moved = sync.feedback_update(base, new, from_version=from_version, values=values, schema=schema)
+            name = self.storage.copy(run_id, sync.copy_digest(moved))
+            if not self.storage.exists(name):
+                self.storage.write(name, [moved[n].numpy().astype("<f4", copy=False).tobytes() for n in sorted(moved)])
+                self._prune_copies(run_id)
+            self.updates_built += 1
+        return blob
+
+    def _read_copy(self, run_id: int, digest: str, schema: dict) -> dict[str, torch.Tensor] | None:
+        """A kept copy by its digest (None: not kept)."""
+        try:
+            raw = self.storage.read(self.storage.copy(run_id, digest))
+        except FileNotFoundError:
+            return None
+        flat = np.frombuffer(raw, dtype="<f4")
+        out, at = {}, 0
+        for n in sorted(schema):
+            numel = int(np.prod(schema[n]))
+            out[n] = torch.from_numpy(flat[at:at + numel].astype(np.float32)).reshape(schema[n])
+            at += numel
+        if at != flat.size:  # not this model's: never used
+            return None
+        return out
+
+    def _prune_copies(self, run_id: int) -> None:
+        names = self.storage.list(self.storage.copies(run_id))
+        if len(names) > MAX_COPIES:
+            for name in sorted(names, key=self.storage.modified_at)[:len(names) - MAX_COPIES]:
+                self.storage.delete(name)
 
     def build_update(self, run_id: int, config_json: str, from_version: int, to_version: int) -> bytes:
         """The encoded change from one version's snapshot to another's."""

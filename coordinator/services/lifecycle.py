@@ -248,7 +248,7 @@ class LifecycleService:
         s, keep = self.storage, {self.storage.snapshot(run_id, final_version)}
         keep |= {name for _, name in s.list_checkpoints(run_id)[:1]}
         gone = 0
-        for folder in (f"{s.run_dir(run_id)}/shards", s.deltas(run_id), s.updates(run_id),
+        for folder in (f"{s.run_dir(run_id)}/shards", s.deltas(run_id), s.updates(run_id), s.copies(run_id),
                        f"{s.run_dir(run_id)}/snapshots", s.checkpoints(run_id)):
             gone += sum(s.delete(name) for name in s.list(folder) if name not in keep)
         return gone

@@ -56,10 +56,13 @@ RUN_FLAGS = [  # (flag, dotted config key, type, help)
     ("--lr", "inner.lr", float, "peak inner learning rate"),
     ("--compression", "compression.index", str, "topk | random | dense"),
     ("--fraction", "compression.fraction", float, "share of elements sent per round"),
-    ("--values", "compression.values", str, "fp32 | fp16 | int8 | int4 | int2"),
+    ("--values", "compression.values", str, "fp32 | fp16 | int8 | int4 | int2 | int1"),
     ("--feedback-decay", "compression.feedback_decay", float, "the error-feedback residual's decay per round "
      "(default 1; SparseLoCo: 0.95 with --outer-momentum 0)"),
-    ("--update-values", "update_values", str, "int8 | int4: the values of the model updates workers download"),
+    ("--update-values", "update_values", str, "int8 | int4 | int2 | int1: the values of the model updates workers "
+     "download (int2, int1: with --update-feedback true)"),
+    ("--update-feedback", "update_feedback", str, "true | false: each model update is the change from the worker's "
+     "own copy, kept by the coordinator (one fp32 model per worker on its disk), so rounding does not add up"),
     ("--outer-lr", "outer.lr", float, "outer learning rate"),
     ("--outer-momentum", "outer.momentum", float, "outer Nesterov momentum"),
     ("--outer-warmup", "outer.warmup", int, "momentum steps over which the outer lr ramps up linearly (default 0: "
@@ -123,8 +126,9 @@ def worker_needs(cfg: RunConfig) -> str:
 
     passes = "one sequence at a time" if rows == 1 else f"micro-batches of {rows}"
     api = protocol.lease_api_version(cfg)
-    version = (f" Its leases need workers of API v{api} or later (compression values {cfg.compression.values!r}, "
-               f"feedback_decay {cfg.compression.feedback_decay:g}): older ones are told to upgrade."
+    why = [f"compression values {cfg.compression.values!r}", f"feedback_decay {cfg.compression.feedback_decay:g}"]
+    why += ["update_feedback"] if cfg.update_feedback else []
+    version = (f" Its leases need workers of API v{api} or later ({', '.join(why)}): older ones are told to upgrade."
                if api > protocol.MIN_API_VERSION else "")
     return (f"model: {m.arch}, {m.n_params():,} parameters. A worker trains it with --max-params >= {low:,} "
             f"({passes}), {whole:,} for whole batches of {batch}; a worker's default cap comes from its free "

@@ -22,8 +22,9 @@ from shared.codec.values import VALUE_CODECS
 from shared.config import CompressionConfig
 
 VALUE_KINDS = {"fp32": ValueKind.FP32, "fp16": ValueKind.FP16, "int8": ValueKind.INT8, "int4": ValueKind.INT4,
-               "int2": ValueKind.INT2}
-VALUE_BITS = {ValueKind.FP32: 32, ValueKind.FP16: 16, ValueKind.INT8: 8, ValueKind.INT4: 4, ValueKind.INT2: 2}
+               "int2": ValueKind.INT2, "int1": ValueKind.INT1}
+VALUE_BITS = {ValueKind.FP32: 32, ValueKind.FP16: 16, ValueKind.INT8: 8, ValueKind.INT4: 4, ValueKind.INT2: 2,
+              ValueKind.INT1: 1}
 assert set(VALUE_BITS) == set(ValueKind), "every ValueKind needs its width"
 
 

@@ -1,4 +1,5 @@
-"""Incremental model downloads: the change between two versions, int8-quantised.
+"""Incremental model downloads: the change between two versions, int8-quantised; or, with the run's
+update_feedback, the change from the worker's own copy.
 
 A worker that holds version a of the model and is leased version b downloads
     update(a -> b) = quantise_int8(params_b - params_a)      (one dense delta envelope)
@@ -9,10 +10,20 @@ The rounding does not leak into what the worker sends back: its pseudo-gradient 
 from the base it actually trained from (base - local), so only the point where it computes
 gradients moves, by a hair. Rounding does add up over a chain of updates, so a worker takes a
 full snapshot again after MAX_HOPS updates in a row (worker/downloads.py).
+
+With update_feedback the update is taken from the copy the worker holds instead of from version a:
+    update(copy -> b) = quantise(params_b - copy),    copy' = copy + update
+so each update also carries the rounding of the one before (error feedback): the copy stays within
+one update's rounding of the model however many updates it takes, and needs no snapshot again. That
+is what makes int2 and int1 updates usable (int1 rounds a change by 0.6 of its size: without the
+feedback that adds up over the hops; bench/sim.py, down="feedback"). The coordinator keeps the
+copies it made, named by copy_digest (coordinator/services/downloads.py); both sides compute copy'
+with the same float32 additions (apply_update on the decoded update), so the names agree.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping
 
 import torch
@@ -43,6 +54,24 @@ def model_update(old: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor
         entries.append(codec.Entry(name, diff.numel(), codec.IndexKind.DENSE, VALUE_KINDS[values],
                                    diff.numpy().copy()))
     return codec.Delta(base_version=from_version, entries=tuple(entries))
+
+
+def copy_digest(params: Mapping[str, torch.Tensor]) -> str:
+    """SHA-256 (hex) of a model copy: its tensors in name order, each as little-endian float32 bytes."""
+    h = hashlib.sha256()
+    for name in sorted(params):
+        h.update(params[name].detach().to("cpu", torch.float32).contiguous().numpy().astype("<f4", copy=False).data)
+    return h.hexdigest()
+
+
+def feedback_update(copy: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor], *, from_version: int,
+                    values: str, schema: Mapping[str, tuple[int, ...]]) -> tuple[bytes, dict[str, torch.Tensor]]:
+    """(the encoded update new - copy, the copy it makes): the copy moved by the update as the worker
+    will move it, from the same encoded bytes."""
+    blob = codec.encode(model_update(copy, new, from_version=from_version, values=values))
+    moved = {n: t.detach().to(torch.float32, copy=True) for n, t in copy.items()}
+    apply_update(moved, codec.decode(blob, schema=schema))
+    return blob, moved
 
 
 def apply_update(params: Mapping[str, torch.Tensor], update: codec.Delta) -> None:

@@ -6,7 +6,7 @@
                  check_flat(bytes, schema): decode_flat's checks alone (an upload's, before its 202)
     indices.py   which elements travel: DENSE, SEEDED (only a seed travels), PACKED (bit-packed list)
     values.py    how values travel: FP32, FP16, INT8 and INT4 with per-block scales, INT2 (two magnitudes
-                 per block)
+                 per block), INT1 (a sign bit and one magnitude per block)
 
 A golden file (tests/golden/delta_v1.bin) pins the bytes of format version 1.
 """

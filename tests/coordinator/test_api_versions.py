@@ -64,12 +64,13 @@ def test_413_says_the_cap(open_api, settings, run_config):
     ("diloco", {"index": "topk", "fraction": 0.02, "feedback_decay": 0.95}, 3, {}),
     ("sparta+diloco", {"index": "topk", "fraction": 0.02, "values": "int2"}, 3, {}),
     ("sparta", {"index": "topk", "fraction": 0.02, "values": "int2", "feedback_decay": 0.95}, 2, {}),
-    ("diloco", {}, 3, {"second_moment_workers": 2})])
+    ("diloco", {}, 3, {"second_moment_workers": 2}), ("diloco", {"values": "int1"}, 4, {}),
+    ("diloco", {"values": "int1", "feedback_decay": 0.9}, 4, {"second_moment_workers": 2})])
 def test_a_v2_worker_takes_leases_of_runs_it_can_read_and_is_told_to_upgrade_for_the_others(
         api, run_config, algorithm, compression, needs, inner):
     """A run needs v3 only when its rounds end with a pseudo-gradient cut down by int2 or a decay (a
     sparta round compresses nothing, and its lease carries the default compression, which v2 reads),
-    or when its workers' AdamW is normalised for the group."""
+    or when its workers' AdamW is normalised for the group; v4 when it is cut down to int1."""
     cfg = run_config(algorithm=algorithm, compression=compression, inner=inner)
     assert protocol.lease_api_version(protocol.RunConfig.model_validate(cfg)) == needs
     api.create_run(cfg)
@@ -81,8 +82,11 @@ def test_a_v2_worker_takes_leases_of_runs_it_can_read_and_is_told_to_upgrade_for
         return
     assert resp.status_code == 426, resp.text
     body = resp.json()
-    assert body["min_api_version"] == 3 and body["api_version"] == protocol.API_VERSION
-    assert "need worker API v3, not v2" in body["detail"] and deps.worker_install() in body["detail"]
+    assert body["min_api_version"] == needs and body["api_version"] == protocol.API_VERSION
+    assert f"need worker API v{needs}, not v2" in body["detail"] and deps.worker_install() in body["detail"]
+    if needs == 4:  # and a version-3 worker is refused the same way
+        resp = api.client.post(f"{API}/runs/t/leases", headers={**headers, protocol.H_API_VERSION: "3"})
+        assert resp.status_code == 426 and resp.json()["min_api_version"] == 4, resp.text
     # nothing was leased: a current worker gets the first lease, and reads the run's compression
     lease = api.lease({k: v for k, v in headers.items() if k != protocol.H_API_VERSION})
     assert lease.lease_id == 1 and lease.compression == protocol.RunConfig.model_validate(cfg).compression

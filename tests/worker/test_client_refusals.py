@@ -134,12 +134,12 @@ def test_a_worker_speaks_an_older_coordinators_version_it_still_knows(tmp_path, 
 
 def test_a_worker_is_blocked_by_a_coordinator_serving_none_of_its_versions(tmp_path):
     seen: list[httpx.Request] = []
-    conn = connection_to({"api_version": 5, "min_api_version": 4}, seen, tmp_path)
+    conn = connection_to({"api_version": 6, "min_api_version": 5}, seen, tmp_path)
     assert conn.wait_until_up() is None
     (refused,) = conn.refusals
     assert isinstance(refused, VersionRefused)
-    assert (refused.min_version, refused.max_version, refused.mine) == (4, 5, protocol.API_VERSION)
-    assert f"accepts worker API v4..v5, this worker speaks v{protocol.MIN_API_VERSION}..v{protocol.API_VERSION}" in (
+    assert (refused.min_version, refused.max_version, refused.mine) == (5, 6, protocol.API_VERSION)
+    assert f"accepts worker API v5..v6, this worker speaks v{protocol.MIN_API_VERSION}..v{protocol.API_VERSION}" in (
         refused.message())
     assert [r.headers[protocol.H_API_VERSION] for r in seen] == [str(protocol.API_VERSION)]
     # ... as by one that serves only versions below its oldest

@@ -1,7 +1,9 @@
 """A worker builds version 0 from the run's seed (checking only its hash); after its first copy it
 downloads only the change (int4 or int8, the run's update_values) to each new base version
 (GET /updates/{from}/{to}), re-syncs from a full snapshot every MAX_HOPS updates, and falls back
-to the snapshot when the coordinator no longer keeps the version it holds."""
+to the snapshot when the coordinator no longer keeps the version it holds. In a run with
+update_feedback each update is taken from the copy it holds (GET /updates/{from}/{to}/{copy_digest})
+and no number of them calls for a snapshot."""
 
 from __future__ import annotations
 
@@ -76,7 +78,7 @@ def test_a_full_snapshot_every_max_hops(api, run, tmp_path, monkeypatch):
 def test_falls_back_to_the_snapshot_when_the_update_is_gone(api, run, tmp_path, monkeypatch, status):
     worker, transport = _worker(api, tmp_path, rounds=2)
 
-    def gone(run, a, b):
+    def gone(run, a, b, *, copy=None):
         raise CoordinatorError(status, f"version {a} is no longer kept")
 
     monkeypatch.setattr(worker.client, "model_update", gone)
@@ -118,3 +120,38 @@ def test_a_304_for_another_hash_is_refused():
     client = CoordinatorClient(URL, transport=httpx.MockTransport(answer), max_retries=0)
     with pytest.raises(IntegrityError, match="304"):
         client.snapshot("t", 0, if_sha256="0" * 64)
+
+
+def test_with_update_feedback_each_update_is_taken_from_the_copy_held(api, run_config, tmp_path, monkeypatch):
+    monkeypatch.setattr(sync, "MAX_HOPS", 1)  # would take a snapshot after every update, but for the feedback
+    api.create_run(run_config(update_values="int1", update_feedback=True))
+    worker, transport = _worker(api, tmp_path, rounds=4)
+    assert worker.run() == 4
+    assert [p.rsplit("/", 1)[1] for p in _gets(transport, "snapshots")] == ["0"]
+    updates = [p.split("/updates/")[1] for p in _gets(transport, "updates")]
+    # the first from version 0 as the worker holds it (it learns the run's updates come from copies), then
+    # from its copy, named by its digest
+    assert updates[0] == "0/1" and [u.rsplit("/", 1)[0] for u in updates[1:]] == ["1/2", "2/3"]
+    assert all(len(u.rsplit("/", 1)[1]) == 64 for u in updates[1:])
+    version, held = worker.downloads.held
+    assert version == 3 and worker.downloads.hops == 0 and "t" in worker.downloads.feedback_runs
+    # the coordinator keeps the very copy the worker holds: the next update would be taken from it
+    assert api.coordinator.storage.exists(api.coordinator.storage.copy(1, sync.copy_digest(held)))
+
+
+def test_a_copy_the_coordinator_no_longer_keeps_costs_one_snapshot(api, run_config, tmp_path, make_delta):
+    api.create_run(run_config(update_values="int1", update_feedback=True))
+    worker, transport = _worker(api, tmp_path, rounds=2)
+    assert worker.run() == 2 and worker.downloads.held[0] == 1 and "t" in worker.downloads.feedback_runs
+    storage = api.coordinator.storage
+    for name in storage.list(storage.copies(1)):
+        storage.delete(name)  # pruned (more workers than MAX_COPIES), or the coordinator moved to a new data dir
+    other = api.register()
+    lease = api.lease(other)
+    api.accept(lease.lease_id, make_delta(lease, seed=5, scale=2e-3), other)
+    api.drain()
+    params = worker.downloads.base(lease.model_copy(update={"base_version": 3}))  # asks from its copy: 410
+    assert [p.rsplit("/", 1)[1] for p in _gets(transport, "snapshots")] == ["0", "3"]
+    exact, _ = decode_snapshot(api.snapshot(3), schema=schema_of(lease))
+    assert all(torch.equal(params[n], exact[n]) for n in exact)
+    assert worker.downloads.held[0] == 3 and worker.downloads.hops == 0

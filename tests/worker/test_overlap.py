@@ -103,7 +103,7 @@ class FakeClient:
                 self.c.leases[lease_id] = "abandoned"
         self.c.note("release", lease_id)
 
-    def model_update(self, run: str, start: int, end: int) -> bytes:
+    def model_update(self, run: str, start: int, end: int, *, copy: str | None = None) -> tuple[bytes, bool]:
         raise CoordinatorError(404, "no updates here: fetch the snapshot")
 
     def shard(self, run: str, index: int, *, expected_sha256: str) -> bytes:

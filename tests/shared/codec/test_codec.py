@@ -126,8 +126,9 @@ def assert_within_bound(kind: ValueKind, sent, got) -> None:
     if kind is ValueKind.FP16:
         # round to nearest: half an ulp, 2^-11 relative for normal halves, 2^-25 absolute below 2^-14
         bound = np.maximum(np.abs(sent.astype(np.float64)) * 2.0 ** -11, 2.0 ** -25)
-    elif kind is ValueKind.INT2:
-        # both magnitudes lie within the block's largest; the sign is kept (test_int2_* pin more)
+    elif kind in (ValueKind.INT2, ValueKind.INT1):
+        # every magnitude sent lies within the block's largest; the sign is kept (test_int2_* and
+        # tests/shared/codec/test_int1.py pin more)
         k = sent.size
         padded = np.zeros(-(-k // BLOCK) * BLOCK, dtype=np.float64)
         padded[:k] = np.abs(sent)
@@ -528,7 +529,7 @@ def test_fewer_entries_than_declared():
     expect_error(envelope(body(good_entry_w(), n_entries=2)), "truncated body while reading a name length")
 
 
-@pytest.mark.parametrize("ik,vk", [(3, 0), (255, 0), (0, 5), (2, 200)])
+@pytest.mark.parametrize("ik,vk", [(3, 0), (255, 0), (0, 6), (2, 200)])
 def test_unknown_kinds(ik, vk):
     e = entry("w", ik, vk, 35, 3, packed([0, 1, 2], 6), f32([1, 2, 3]))
     expect_error(envelope(body(e)), f"unknown codec \\(index kind {ik}, value kind {vk}\\)")

@@ -17,7 +17,7 @@ MODEL = ModelConfig(n_layer=1, n_head=2, d_model=32, context=32)
 
 
 @pytest.mark.parametrize("index,fraction", [("dense", 1.0), ("topk", 0.1), ("random", 0.05), ("topk", 1.0)])
-@pytest.mark.parametrize("values", ["fp32", "fp16", "int8", "int4", "int2"])
+@pytest.mark.parametrize("values", ["fp32", "fp16", "int8", "int4", "int2", "int1"])
 def test_a_rounds_delta_never_exceeds_its_bound(index, fraction, values):
     cfg = CompressionConfig(index=index, fraction=fraction, values=values, error_feedback=False)
     torch.manual_seed(0)  # random values: zstd cannot shrink them, the worst case for the bound

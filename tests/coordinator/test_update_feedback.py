@@ -1,0 +1,92 @@
+"""A run with update_feedback: each model update is the change from the worker's own copy, which the
+coordinator keeps (GET /runs/{run}/updates/{from}/{to}/{copy_digest})."""
+
+from __future__ import annotations
+
+import torch
+
+from coordinator.services import downloads
+from shared import codec, protocol
+from shared.algorithms.sync import apply_update, copy_digest
+from shared.snapshot import decode_snapshot
+from tests.conftest import API, schema_of
+
+
+def _versions(api, make_delta, n: int):
+    w = api.register()
+    for seed in range(1, n + 1):
+        lease = api.lease(w)
+        api.accept(lease.lease_id, make_delta(lease, seed=seed, scale=2e-3), w)
+        api.drain()
+    return schema_of(lease)
+
+
+def _moved(api, schema, copy, path):
+    resp = api.client.get(f"{API}/runs/t/updates/{path}")
+    assert resp.status_code == 200, resp.text
+    assert resp.headers[protocol.H_UPDATE_FEEDBACK] == "1"
+    update = codec.decode(resp.content, schema=schema)
+    assert {e.value_kind for e in update.entries} == {codec.ValueKind.INT1}
+    got = {n: t.clone() for n, t in copy.items()}
+    apply_update(got, update)
+    return got, resp.content
+
+
+def _distance(a, b) -> float:
+    return sum(float((a[n] - b[n]).square().sum()) for n in a) ** 0.5
+
+
+def test_each_update_is_taken_from_the_workers_copy_and_carries_the_last_ones_rounding(api, run_config, make_delta):
+    api.create_run(run_config(update_values="int1", update_feedback=True))
+    schema = _versions(api, make_delta, 3)
+    snap = {v: decode_snapshot(api.snapshot(v), schema=schema)[0] for v in range(4)}
+    kept = api.coordinator.storage.copies(1)
+
+    # from version 0 itself (a worker that joined from its snapshot): no copy named
+    copy1, blob = _moved(api, schema, snap[0], "0/1")
+    assert api.coordinator.storage.exists(f"{kept}/{copy_digest(copy1)}.f32")  # kept for the worker's next update
+    assert 0 < _distance(copy1, snap[1]) < 0.7 * _distance(snap[0], snap[1])  # int1: sqrt(1 - 2/pi) of the change
+    assert api.client.get(f"{API}/runs/t/updates/0/1").content == blob  # a retry: the same bytes
+    # the next update is taken from that copy, so the copy's error is sent along, not kept
+    copy3, _ = _moved(api, schema, copy1, f"1/3/{copy_digest(copy1)}")
+    plain3 = {n: t.clone() for n, t in copy1.items()}  # what the change between versions 1 and 3 would make
+    apply_update(plain3, codec.decode(api.client.get(f"{API}/runs/t/updates/1/3").content, schema=schema))
+    assert _distance(copy3, snap[3]) < 0.7 * _distance(copy1, snap[3])
+    assert _distance(copy3, snap[3]) < _distance(plain3, snap[3])
+    # a snapshot's own digest names it too: a worker holding version 2 exactly
+    _moved(api, schema, snap[2], f"2/3/{copy_digest(snap[2])}")
+
+
+def test_a_copy_not_kept_is_gone_and_a_malformed_one_refused(api, run_config, make_delta):
+    api.create_run(run_config(update_values="int1", update_feedback=True))
+    schema = _versions(api, make_delta, 2)
+    stranger = {n: torch.ones(s) for n, s in schema.items()}
+    resp = api.client.get(f"{API}/runs/t/updates/0/2/{copy_digest(stranger)}")
+    assert resp.status_code == 410 and "is not kept here; fetch snapshots/2" in resp.json()["detail"]
+    for bad in ("ABC", "0" * 63, "g" * 64):
+        assert api.client.get(f"{API}/runs/t/updates/0/2/{bad}").status_code == 422, bad
+    assert api.client.get(f"{API}/runs/t/updates/2/2/{'0' * 64}").status_code == 422  # forward only
+    assert api.client.get(f"{API}/runs/t/updates/0/9/{'0' * 64}").status_code == 404
+
+
+def test_a_run_without_update_feedback_serves_the_change_between_versions(api, run, make_delta):
+    _versions(api, make_delta, 2)
+    plain = api.client.get(f"{API}/runs/t/updates/0/2")
+    named = api.client.get(f"{API}/runs/t/updates/0/2/{'0' * 64}")
+    assert named.status_code == 200 and named.content == plain.content
+    assert protocol.H_UPDATE_FEEDBACK not in named.headers and protocol.H_UPDATE_FEEDBACK not in plain.headers
+    assert api.coordinator.storage.list(api.coordinator.storage.copies(1)) == []
+
+
+def test_only_the_newest_copies_are_kept(api, run_config, make_delta, monkeypatch):
+    monkeypatch.setattr(downloads, "MAX_COPIES", 2)
+    api.create_run(run_config(update_values="int4", update_feedback=True))
+    _versions(api, make_delta, 3)
+    for path in ("0/1", "0/2", "0/3"):
+        assert api.client.get(f"{API}/runs/t/updates/{path}").status_code == 200
+    assert len(api.coordinator.storage.list(api.coordinator.storage.copies(1))) == 2
+
+
+def test_int1_updates_need_update_feedback(api, run_config):
+    resp = api.client.post(f"{API}/runs", json=run_config(update_values="int1"), headers=api.admin)
+    assert resp.status_code == 422 and "needs update_feedback" in resp.text
