@@ -66,7 +66,8 @@ class Method:
     sparta_every: int = 1  # local steps between sparta exchanges
     sparta_values: str = "fp16"  # dtype of the exchanged values on the wire
     # how a worker gets a round's base: "update" as the real worker does (the int8 change since the copy it
-    # holds, a full snapshot every sync.MAX_HOPS + 1 rounds), or "snapshot" (the full model every round)
+    # holds, a full snapshot every sync.MAX_HOPS + 1 rounds), "feedback" (the change from the copy it holds to
+    # the model, never a snapshot: see _Replica.fetch), or "snapshot" (the full model every round)
     down: str = "update"
     update_values: str = "int8"  # RunConfig.update_values: the values of those updates
     join: str = "seed"  # version 0: "seed" (built from the run's seed, as the real worker does) or "snapshot"
@@ -178,9 +179,14 @@ class _Replica:
             params = self.held[1]
         elif self.held is None and version == 0 and method.join == "seed":
             params = {n: t.clone() for n, t in served[0].items()}  # the run's seed gives the same weights
-        elif self.held is not None and method.down == "update" and self.hops < sync.MAX_HOPS:
-            blob = codec.encode(sync.model_update(served[self.held[0]], served[version], from_version=self.held[0],
-                                                     values=method.update_values))
+        elif self.held is not None and (method.down == "feedback" or method.down == "update"
+                                        and self.hops < sync.MAX_HOPS):
+            # "update": the change between the two published versions, so the copy's rounding adds up over
+            # hops; "feedback": the change from the copy itself, so each update also carries the last one's
+            # rounding (error feedback: the copy stays within one update's rounding of the model)
+            old = self.held[1] if method.down == "feedback" else served[self.held[0]]
+            blob = codec.encode(sync.model_update(old, served[version], from_version=self.held[0],
+                                                  values=method.update_values))
             self.bytes_down += len(blob)
             params = {n: t.clone() for n, t in self.held[1].items()}
             sync.apply_update(params, codec.decode(blob, schema={n: tuple(t.shape) for n, t in params.items()}))

@@ -6,6 +6,7 @@ import json
 
 import numpy as np
 import pytest
+import torch
 
 from bench.convergence import PROFILES, methods_for, plot, result_row, write_markdown
 from bench.sim import Method, Setup, ddp_bytes_per_worker, run_method, speeds_for
@@ -171,3 +172,36 @@ def test_second_moment_workers_gives_each_replica_the_group_normalised_adamw(set
     made.clear()
     plain = run_method(setup, Method("d", "diloco", H=2, outer=OuterConfig(group=8)))
     assert all(type(o).__name__ == "AdamW" for o in made) and plain.eval_loss != group.eval_loss
+
+
+def test_feedback_downloads_keep_the_copy_within_one_updates_rounding(setup):
+    """down="feedback": each update is the change from the worker's own copy, so int1's large rounding
+    (0.6 of a change) is carried into the next update instead of adding up; "update" (the change between
+    published versions) lets it add up until the next full snapshot, and takes snapshots to stop it."""
+    from bench.sim import _Replica
+    from shared.algorithms import sync
+    from shared.model import get_params
+
+    init = get_params(build_model(TINY, seed=setup.seed))
+    gen = np.random.default_rng(0)
+    served = {0: init}
+    for v in range(1, 41):  # a model that drifts by a random step every version
+        served[v] = {n: t + 0.01 * torch.from_numpy(gen.standard_normal(t.shape).astype(np.float32))
+                     for n, t in served[v - 1].items()}
+    step = 0.01 * sum(t.numel() for t in init.values()) ** 0.5
+    errors = {}
+    for down in ("feedback", "update"):
+        method = Method("d", "diloco", down=down, update_values="int1")
+        r = _Replica(setup, 0, init)
+        r.fetch(0, served, method)
+        errors[down] = []
+        for v in range(1, 41):
+            held = r.fetch(v, served, method)
+            # the copy's distance from the model, in steps of the model's drift (0.01 a value)
+            errors[down].append(sum(float((held[n] - served[v][n]).square().sum()) for n in held) ** 0.5 / step)
+        if down == "feedback":
+            assert r.hops == 40  # never a snapshot
+            feedback_bytes = r.bytes_down
+    assert max(errors["feedback"]) < 1.0  # measured 0.60-0.77: one step's rounding, hop after hop
+    assert errors["update"][sync.MAX_HOPS - 1] > 3 * max(errors["feedback"])  # measured 3.3: added up
+    assert feedback_bytes < r.bytes_down  # "update" paid a snapshot at hop MAX_HOPS + 1
