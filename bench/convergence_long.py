@@ -77,6 +77,13 @@ LONG_PROFILES = {
 SEEDS = (1, 2)  # the repeats of the long profile's default and best rows (seed 0: every row)
 # every element at int2 (2.25 bits a value, error feedback): about half the bytes of the default's int4 a round
 DENSE_INT2 = CompressionConfig(index="dense", values="int2", error_feedback=True)
+# every element at int1 (1.125 bits a value) up and down; downloads with error feedback (sim.Method.down
+# "feedback": each update is the change from the worker's own copy, never a snapshot). Without that feedback
+# int1 updates add up their rounding until the next snapshot (probe, H=16: 17% at 323x against 29% at 444x).
+INT1_BOTH_WAYS = {"compression": CompressionConfig(index="dense", values="int1", error_feedback=True),
+                  "update_values": "int1", "down": "feedback"}
+INT1_FEEDBACK = "int1 up and down, downloads with error feedback"
+INT1_TUNED = ", outer lr 1.2, no momentum"  # what the int1 row at ~520x is run with again (seeds)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,6 +105,12 @@ def default_method(p: LongProfile, workers: int) -> Method:
 def shorter(p: LongProfile, factors: tuple[int, ...]) -> list[int]:
     """The profile's H divided by each factor (at least 1, each H once, longest first)."""
     return sorted({max(1, p.H // f) for f in factors}, reverse=True)
+
+
+def int1_rounds(p: LongProfile) -> list[int]:
+    """H for the int1 rows: the profile's H / 3, / 3.33 and / 4 (64: 21, 19, 16; about 580x, 520x and 440x
+    less traffic than ddp), longest first."""
+    return sorted({max(1, round(p.H / f)) for f in (3, 10 / 3, 4)}, reverse=True)
 
 
 def algorithm_methods(p: LongProfile, workers: int) -> list[Method]:
@@ -126,6 +139,11 @@ def algorithm_methods(p: LongProfile, workers: int) -> list[Method]:
                                            H=h) for h in shorter(p, (4, 8))]
     rows += [dataclasses.replace(group, name=f"{group.name}, H={h}, int2 up and down", H=h,
                                  compression=DENSE_INT2, update_values="int2") for h in shorter(p, (2, 4))]
+    int1 = [dataclasses.replace(group, name=f"{group.name}, H={h}, {INT1_FEEDBACK}", H=h, **INT1_BOTH_WAYS)
+            for h in int1_rounds(p)]
+    at_500x = next(m for m in int1 if m.H == max(1, round(p.H * 3 / 10)))  # 19 of 64: ~520x
+    rows += int1 + [dataclasses.replace(at_500x, name=f"{at_500x.name}{INT1_TUNED}",
+                                        outer=outer.model_copy(update={"lr": 1.2, "momentum": 0.0}))]
     rows += [
         dataclasses.replace(default, name="default, speeds 1-4x", speed_spread=4.0),
         dataclasses.replace(default, name="dynamic H (H x speed / mean), speeds 1-4x", speed_spread=4.0, dynamic_h=True),
@@ -172,6 +190,17 @@ def probe_methods(p: LongProfile, workers: int, batch: int) -> list[Method]:
         rows += [dataclasses.replace(grouped, name=f"{group}, H={h}", H=h) for h in shorter(p, (4, 8))]
         rows += [dataclasses.replace(grouped, name=f"{group}, H={h}, int2 up and down", H=h, compression=DENSE_INT2,
                                      update_values="int2") for h in shorter(p, (2, 4))]
+        int1 = [dataclasses.replace(grouped, name=f"{group}, H={h}, {INT1_FEEDBACK}", H=h, **INT1_BOTH_WAYS)
+                for h in int1_rounds(p)]
+        tuned = next(m for m in int1 if m.H == max(1, round(p.H * 3 / 10)))
+        rows += int1 + [dataclasses.replace(tuned, name=f"{tuned.name}{INT1_TUNED}",
+                                            outer=outer.model_copy(update={"lr": 1.2, "momentum": 0.0}))]
+        # what the downloads' feedback is worth: int1 updates of the change between versions, re-synced by
+        # a full snapshot every sync.MAX_HOPS + 1 (a simulator-only setting: RunConfig refuses int1 updates
+        # without update_feedback)
+        h = min(int1_rounds(p))
+        rows.append(dataclasses.replace(grouped, name=f"{group}, H={h}, int1 up and down, downloads without "
+                                        "feedback", H=h, **{**INT1_BOTH_WAYS, "down": "update"}))
     return rows
 
 
@@ -205,8 +234,11 @@ def tasks_for(profile: str, *, algorithms: bool = True) -> list[Task]:
         methods = algorithm_methods(p, top)
         tasks += [Task(profile, top, m) for m in methods]
         # one run of a row carries seed noise as large as most differences between rows: the default and
-        # the best row again at other seeds (other initial weights and batches; ddp and alone at seed 0)
+        # the best rows again at other seeds (other initial weights and batches), with ddp and the lone worker
+        # at those seeds too, each seed's rows measured against its own
         repeated = [default_method(p, top)] + [m for m in methods if m.second_moment_workers > 1 and m.H == p.H]
+        repeated += [m for m in methods if m.name.endswith(INT1_TUNED)]  # the best row at >= 500x
+        repeated += [Method("ddp", "ddp"), Method(f"1 worker alone (1/{top} of the tokens)", "alone")]
         tasks += [Task(profile, top, dataclasses.replace(m, name=f"{m.name}, seed {s}"), seed=s)
                   for m in repeated for s in SEEDS]
     return tasks
@@ -255,12 +287,17 @@ def row_for(task: Task, r: Result, *, dense_bytes: float) -> dict:
 
 
 def add_gains(rows: list[dict]) -> None:
-    """Per replica count (and per-worker batch): each row's loss over ddp's and its captured gain
-    (alone - row) / (alone - ddp), ddp being the best of its lr sweep (no baseline tuned down)."""
-    for m, b in {(r["replicas"], r.get("batch")) for r in rows}:
-        group = [r for r in rows if r["replicas"] == m and r.get("batch") == b]
-        ddp = min((r for r in group if r["kind"] == "ddp"), key=lambda r: r["eval_loss"], default=None)
-        alone = next((r for r in group if r["kind"] == "alone"), None)
+    """Per replica count, per-worker batch and seed: each row's loss over ddp's and its captured gain
+    (alone - row) / (alone - ddp), ddp being the best of its lr sweep (no baseline tuned down). A seed
+    without its own ddp and lone worker is measured against seed 0's."""
+    for m, b, seed in {(r["replicas"], r.get("batch"), r.get("seed", 0)) for r in rows}:
+        group = [r for r in rows if r["replicas"] == m and r.get("batch") == b and r.get("seed", 0) == seed]
+        bases = [r for r in rows if r["replicas"] == m and r.get("batch") == b and r["kind"] in ("ddp", "alone")]
+        if not any(r.get("seed", 0) == seed for r in bases):
+            seed = 0
+        bases = [r for r in bases if r.get("seed", 0) == seed]
+        ddp = min((r for r in bases if r["kind"] == "ddp"), key=lambda r: r["eval_loss"], default=None)
+        alone = next((r for r in bases if r["kind"] == "alone"), None)
         for r in group:
             r["loss_ratio_vs_ddp"] = round(r["eval_loss"] / ddp["eval_loss"], 4) if ddp else None
             gap = alone["eval_loss"] - ddp["eval_loss"] if ddp and alone else 0.0
@@ -283,7 +320,7 @@ def run(*, profile: str = "long", out: Path = Path("bench-results/convergence-lo
     done = {key(r["replicas"], r["method"]): {"batch": p.batch, **r} for r in kept}
     listed = tasks_for(profile, algorithms=algorithms)  # the results' order, whichever rows train now
     tasks = [t for t in listed
-             if not only or t.method.kind in ("ddp", "alone") or any(o in t.method.name for o in only)]
+             if not only or t.method.kind in ("ddp", "alone") and not t.seed or any(o in t.method.name for o in only)]
     todo = [t for t in tasks if key(t.replicas, t.method.name) not in done]
     dense = {(m, b): ddp_bytes_per_worker(setup_for(p, m, batch=b))  # once per (replicas, batch)
              for m, b in {(t.replicas, t.batch) for t in tasks}}

@@ -48,15 +48,14 @@ def plot(rows: list[dict], path: Path, *, title: str) -> None:
     counts = sorted({r["replicas"] for r in rows})
     top = max(counts)
     base_kinds = {"ddp", "alone"}
-    panels = [(f"M = {m}", [r for r in rows if r["replicas"] == m and (r["kind"] in base_kinds
-                                                                        or r["method"].endswith("(default)"))])
-              for m in counts]
+    panels = [(f"M = {m}", [r for r in rows if r["replicas"] == m and not r.get("seed") and (
+        r["kind"] in base_kinds or r["method"].endswith("(default)"))]) for m in counts]
     batches = sorted({r["batch"] for r in rows if r.get("batch")})
     if len(batches) > 1:  # a probe: one panel per batch, every row
         panels = [(f"M = {top}, B = {b}", [r for r in rows if r.get("batch") == b]) for b in batches]
     else:
-        panels.append((f"M = {top}: algorithms against the default",
-                       [r for r in rows if r["replicas"] == top and r["kind"] != "alone"]))
+        panels.append((f"M = {top}: algorithms against the default (seed 0)",
+                       [r for r in rows if r["replicas"] == top and r["kind"] != "alone" and not r.get("seed")]))
     most = max(len(group) for _, group in panels)
     # the legends go under the panels (one line a row), so that a panel of twenty curves stays readable
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 4.4 + 0.12 * most), sharey=True)

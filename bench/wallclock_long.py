@@ -45,6 +45,8 @@ def trained_rows(conv: list[dict], profile: str) -> tuple[list[tuple[Row, list[d
     for r in conv:
         if r["replicas"] != workers or r["method"] not in methods or methods[r["method"]][0].speed_spread != 1.0:
             continue  # unequal speeds are a compute matter: the clock charges every worker one step time
+        if r.get("seed", 0) and r["kind"] in ("ddp", "alone"):
+            continue  # the baselines on the clock are seed 0's, as the rows' lr sweep is
         method, factor = methods[r["method"]]
         result = _result(r)
         if r["kind"] == "ddp":

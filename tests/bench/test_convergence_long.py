@@ -35,7 +35,12 @@ def test_rows_per_replica_count_and_algorithms_at_the_largest():
     grouped = [m for m in algorithm_methods(p, 8) if m.second_moment_workers > 1]
     assert {m.second_moment_workers for m in grouped} == {8}
     assert [(m.H, m.compression.values) for m in grouped] == [(p.H, "int4"), (p.H // 4, "int4"), (p.H // 8, "int4"),
-                                                              (p.H // 2, "int2"), (p.H // 4, "int2")]
+                                                              (p.H // 2, "int2"), (p.H // 4, "int2"),
+                                                              (p.H // 3, "int1"), (19, "int1"), (p.H // 4, "int1"),
+                                                              (19, "int1")]
+    assert all(m.down == ("feedback" if m.compression.values == "int1" else "update") for m in grouped)
+    tuned = [m for m in grouped if m.outer.momentum == 0]  # the int1 row at ~520x again, outer lr 1.2
+    assert [(m.H, m.outer.lr) for m in tuned] == [(19, 1.2)]
     assert default_method(p, 4).outer.group == 4
     assert all(t.method.H >= 1 for name in LONG_PROFILES for t in tasks_for(name))  # the tiny profile's H is 3
 
@@ -43,9 +48,13 @@ def test_rows_per_replica_count_and_algorithms_at_the_largest():
 def test_the_default_and_the_best_row_are_repeated_at_other_seeds():
     p = LONG_PROFILES["long"]
     seeded = [t for t in tasks_for("long") if t.seed]
-    assert sorted(t.seed for t in seeded) == sorted(long.SEEDS * 2)
-    assert all(t.method.name.endswith(f", seed {t.seed}") and t.method.H == p.H and t.replicas == 8 for t in seeded)
-    assert {t.method.second_moment_workers for t in seeded} == {1, 8}
+    assert sorted(t.seed for t in seeded) == sorted(long.SEEDS * 5)
+    assert all(t.method.name.endswith(f", seed {t.seed}") and t.replicas == 8 for t in seeded)
+    assert sorted({t.method.kind for t in seeded}) == ["alone", "ddp", "diloco"]  # each seed with its baselines
+    diloco = [t for t in seeded if t.method.kind == "diloco"]
+    assert {t.method.second_moment_workers for t in diloco} == {1, 8}
+    # the default and the group-normalised row at the profile's H, and the best row at >= 500x: int1 at H = 19
+    assert sorted({(t.method.H, t.method.compression.values) for t in diloco}) == [(19, "int1"), (64, "int4")]
     assert long.setup_for(p, 8, seed=2).seed == 2 and long.setup_for(p, 8).seed == 0
 
 
@@ -66,6 +75,19 @@ def test_captured_gain_is_measured_against_the_best_ddp():
     assert rows[3]["captured_gain"] == pytest.approx(0.6)
     assert rows[3]["loss_ratio_vs_ddp"] == pytest.approx(2.06 / 1.9, abs=1e-4)
     assert rows[0]["captured_gain"] is None and rows[4]["captured_gain"] is None  # no alone at M=1
+
+
+def test_a_seeds_rows_are_measured_against_that_seeds_baselines_when_it_has_them():
+    rows = [{"replicas": 8, "method": "ddp", "kind": "ddp", "eval_loss": 2.0},
+            {"replicas": 8, "method": "alone", "kind": "alone", "eval_loss": 2.3},
+            {"replicas": 8, "method": "d", "kind": "diloco", "eval_loss": 2.15},
+            {"replicas": 8, "method": "ddp, seed 1", "kind": "ddp", "eval_loss": 2.1, "seed": 1},
+            {"replicas": 8, "method": "alone, seed 1", "kind": "alone", "eval_loss": 2.5, "seed": 1},
+            {"replicas": 8, "method": "d, seed 1", "kind": "diloco", "eval_loss": 2.2, "seed": 1},
+            {"replicas": 8, "method": "d, seed 2", "kind": "diloco", "eval_loss": 2.15, "seed": 2}]
+    add_gains(rows)
+    assert [r["captured_gain"] for r in rows if r["kind"] == "diloco"] == pytest.approx([0.5, 0.75, 0.5])
+    assert rows[5]["loss_ratio_vs_ddp"] == pytest.approx(2.2 / 2.1, abs=1e-4)  # seed 2: seed 0's baselines
 
 
 @pytest.fixture(scope="module")
@@ -161,7 +183,8 @@ def test_the_probe_compares_each_batch_with_its_own_baselines():
     names = [t.method.name for t in tasks]
     assert len(set(names)) == len(names) and all(n.startswith(f"B={t.batch}: ") for n, t in zip(names, tasks))
     small = [t.method for t in tasks if t.batch == min(p.probe_batches) and t.method.kind == "diloco"]
-    assert {m.H for m in small} == {1, p.H, p.H // 2, p.H // 4, p.H // 8} and any(m.outer.lr == 1.6 for m in small)
+    assert {m.H for m in small} == {1, p.H, p.H // 2, p.H // 3, round(p.H * 3 / 10), p.H // 4, p.H // 8}
+    assert any(m.outer.lr == 1.6 for m in small)
     every = [m for m in small if m.H == 1]  # the ceiling of averaging: fp32, every step, with and without
     assert all(m.barrier and m.compression.values == "fp32" for m in every)  # the group's normalisation
     assert sorted(m.second_moment_workers for m in every) == [1, 8]
@@ -169,7 +192,10 @@ def test_the_probe_compares_each_batch_with_its_own_baselines():
     assert {m.update_values for m in small if m.H == p.H // 2} == {"int2", "int4"}  # what int2 downloads cost
     assert all(m.compression.values == "int2" for m in small if m.H == p.H // 2)
     grouped = {(m.H, m.compression.values) for m in small if m.second_moment_workers == 8 and not m.barrier}
-    assert grouped == {(p.H, "int4"), (p.H // 4, "int4"), (p.H // 8, "int4"), (p.H // 2, "int2"), (p.H // 4, "int2")}
+    assert grouped == {(p.H, "int4"), (p.H // 4, "int4"), (p.H // 8, "int4"), (p.H // 2, "int2"), (p.H // 4, "int2"),
+                       (p.H // 3, "int1"), (round(p.H * 3 / 10), "int1"), (p.H // 4, "int1")}
+    int1 = [m for m in small if m.compression.values == "int1"]  # downloads with feedback, and one without
+    assert sorted(m.down for m in int1) == ["feedback"] * 4 + ["update"]
 
 
 def test_a_probe_measures_each_batch_against_its_own_ddp_and_alone():
