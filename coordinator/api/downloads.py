@@ -46,16 +46,19 @@ async def model_update(run: str, from_version: RowId, to_version: RowId, coord: 
 
 @router.get("/runs/{run}/updates/{from_version}/{to_version}/{copy}", response_class=Response, responses=_BINARY)
 async def model_update_from_copy(run: str, from_version: RowId, to_version: RowId, coord: CoordinatorDep,
-                                 copy: Annotated[str, Path(pattern=protocol.SHA256_PATTERN)]) -> Response:
+                                 copy: Annotated[str, Path(pattern=protocol.SHA256_PATTERN)],
+                                 worker: CurrentWorker) -> Response:
     """A run with update_feedback: the change from the worker's copy of version `from_version` whose
     copy_digest is `copy` (shared/algorithms/sync.py), X-Update-Feedback: 1; 410 when that copy is not
-    kept (fetch the snapshot). A run without: the same as without `copy`."""
-    return await _update(coord, run, from_version, to_version, copy)
+    kept (fetch the snapshot). A run without: the same as without `copy`. Workers of the run only: each
+    answer is built for it (and keeps a copy)."""
+    return await _update(coord, run, from_version, to_version, copy, worker)
 
 
-async def _update(coord, run: str, from_version: int, to_version: int, copy: str | None) -> Response:
+async def _update(coord, run: str, from_version: int, to_version: int, copy: str | None,
+                  worker=None) -> Response:
     blob, sha, feedback = await run_in_threadpool(
-        functools.partial(coord.downloads.model_update, run, from_version, to_version, copy=copy))
+        functools.partial(coord.downloads.model_update, run, from_version, to_version, copy=copy, worker=worker))
     headers = {protocol.H_SHA256: sha, protocol.H_VERSION: str(to_version), "ETag": f'"{sha}"',
                "Cache-Control": "public, max-age=31536000, immutable"}
     if feedback:

@@ -57,8 +57,8 @@ class DownloadService:
         self.traffic.add(row.run_id, down_model=len(blob))
         return blob, v, row.sha256
 
-    def model_update(self, run_name: str, from_version: int, to_version: int, *,
-                     copy: str | None = None) -> tuple[bytes, str, bool]:
+    def model_update(self, run_name: str, from_version: int, to_version: int, *, copy: str | None = None,
+                     worker: Caller | None = None) -> tuple[bytes, str, bool]:
         """(blob, sha256, from the worker's copy): the change from one kept version to a later one, int8
         or int4 by the run's update_values (shared/algorithms/sync.py).
 
@@ -67,19 +67,30 @@ class DownloadService:
         their pair wait for its blob instead of building it again. A version that is no longer kept
         answers 410 (fetch the full snapshot).
 
-        With the run's update_feedback, the change from the worker's copy `copy` (its copy_digest; none:
-        the worker holds `from_version` itself) instead: see feedback_update."""
+        With the run's update_feedback, the change from the worker's copy `copy` (its copy_digest; asked
+        by `worker`, one of the run's) instead: see feedback_update; without `copy`, from `from_version`
+        itself, built once per (from, to) and kept as above."""
         if to_version <= from_version:
             raise Unprocessable(f"an update goes forward: {from_version} -> {to_version} does not")
         with self.db.read() as c:
             run = named_run(run_rows.by_name(c, run_name), run_name)
+            if worker is not None and worker.run_id != run.id:
+                raise Forbidden(f"this worker is registered with another run, not {run_name!r}")
             if to_version > run.version:
                 raise NotFound(f"run {run_name!r} has no version {to_version} (latest is {run.version})")
             kept = version_rows.kept(c, run.id, [from_version, to_version])
         if RunConfig.model_validate_json(run.config_json).update_feedback:
             if to_version not in kept:
                 raise Gone(f"version {to_version} is no longer kept; fetch the latest snapshot instead")
-            blob = self.feedback_update(run.id, run.config_json, from_version, to_version, copy)
+            name = self.storage.update(run.id, from_version, to_version)
+            try:
+                blob = self.storage.read(name) if copy is None else None
+            except FileNotFoundError:
+                blob = None
+            if blob is None:
+                blob = self.feedback_update(run.id, run.config_json, from_version, to_version, copy)
+                if copy is None:  # the same for every worker that holds from_version itself: kept
+                    self.storage.write(name, blob)
             self.traffic.add(run.id, down_model=len(blob))
             return blob, hashlib.sha256(blob).hexdigest(), True
         if len(kept) < 2:

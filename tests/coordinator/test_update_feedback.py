@@ -18,11 +18,12 @@ def _versions(api, make_delta, n: int):
         lease = api.lease(w)
         api.accept(lease.lease_id, make_delta(lease, seed=seed, scale=2e-3), w)
         api.drain()
+    api.worker = w  # the copy route is for the run's workers
     return schema_of(lease)
 
 
 def _moved(api, schema, copy, path):
-    resp = api.client.get(f"{API}/runs/t/updates/{path}")
+    resp = api.client.get(f"{API}/runs/t/updates/{path}", headers=api.worker)
     assert resp.status_code == 200, resp.text
     assert resp.headers[protocol.H_UPDATE_FEEDBACK] == "1"
     update = codec.decode(resp.content, schema=schema)
@@ -46,7 +47,8 @@ def test_each_update_is_taken_from_the_workers_copy_and_carries_the_last_ones_ro
     copy1, blob = _moved(api, schema, snap[0], "0/1")
     assert api.coordinator.storage.exists(f"{kept}/{copy_digest(copy1)}.f32")  # kept for the worker's next update
     assert 0 < _distance(copy1, snap[1]) < 0.7 * _distance(snap[0], snap[1])  # int1: sqrt(1 - 2/pi) of the change
-    assert api.client.get(f"{API}/runs/t/updates/0/1").content == blob  # a retry: the same bytes
+    assert api.client.get(f"{API}/runs/t/updates/0/1").content == blob  # a retry: the same bytes, kept
+    assert api.coordinator.storage.exists(api.coordinator.storage.update(1, 0, 1))
     # the next update is taken from that copy, so the copy's error is sent along, not kept
     copy3, _ = _moved(api, schema, copy1, f"1/3/{copy_digest(copy1)}")
     plain3 = {n: t.clone() for n, t in copy1.items()}  # what the change between versions 1 and 3 would make
@@ -61,18 +63,24 @@ def test_a_copy_not_kept_is_gone_and_a_malformed_one_refused(api, run_config, ma
     api.create_run(run_config(update_values="int1", update_feedback=True))
     schema = _versions(api, make_delta, 2)
     stranger = {n: torch.ones(s) for n, s in schema.items()}
-    resp = api.client.get(f"{API}/runs/t/updates/0/2/{copy_digest(stranger)}")
+    resp = api.client.get(f"{API}/runs/t/updates/0/2/{copy_digest(stranger)}", headers=api.worker)
     assert resp.status_code == 410 and "is not kept here; fetch snapshots/2" in resp.json()["detail"]
     for bad in ("ABC", "0" * 63, "g" * 64):
-        assert api.client.get(f"{API}/runs/t/updates/0/2/{bad}").status_code == 422, bad
-    assert api.client.get(f"{API}/runs/t/updates/2/2/{'0' * 64}").status_code == 422  # forward only
-    assert api.client.get(f"{API}/runs/t/updates/0/9/{'0' * 64}").status_code == 404
+        assert api.client.get(f"{API}/runs/t/updates/0/2/{bad}", headers=api.worker).status_code == 422, bad
+    assert api.client.get(f"{API}/runs/t/updates/2/2/{'0' * 64}", headers=api.worker).status_code == 422
+    assert api.client.get(f"{API}/runs/t/updates/0/9/{'0' * 64}", headers=api.worker).status_code == 404
+    # each answer is built for the asking worker: the run's workers only
+    assert api.client.get(f"{API}/runs/t/updates/0/2/{'0' * 64}").status_code == 401
+    api.create_run(run_config("u"))
+    outsider = api.register("u")
+    resp = api.client.get(f"{API}/runs/t/updates/0/2/{'0' * 64}", headers=outsider)
+    assert resp.status_code == 403 and "another run" in resp.json()["detail"]
 
 
 def test_a_run_without_update_feedback_serves_the_change_between_versions(api, run, make_delta):
     _versions(api, make_delta, 2)
     plain = api.client.get(f"{API}/runs/t/updates/0/2")
-    named = api.client.get(f"{API}/runs/t/updates/0/2/{'0' * 64}")
+    named = api.client.get(f"{API}/runs/t/updates/0/2/{'0' * 64}", headers=api.worker)
     assert named.status_code == 200 and named.content == plain.content
     assert protocol.H_UPDATE_FEEDBACK not in named.headers and protocol.H_UPDATE_FEEDBACK not in plain.headers
     assert api.coordinator.storage.list(api.coordinator.storage.copies(1)) == []
