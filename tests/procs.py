@@ -111,6 +111,14 @@ def wait_merged(client: httpx.Client, run: str, version: int, *, log: Path | Non
         time.sleep(0.2)
 
 
+def assert_trained(st: dict, final_loss: float, deltas: int) -> None:
+    """A run's status after its workers' rounds: every one of `deltas` merged, none rejected, and the
+    final evaluation more than 0.05 below the first."""
+    assert st["merged_deltas"] == deltas and st["rejected_deltas"] == 0, st
+    losses = [e["loss"] for e in st["eval_history"]]
+    assert final_loss < losses[0] - 0.05, (losses, final_loss)
+
+
 class Idletrain:
     """`python -m idletrain ARGS` processes of one test, run in `root`, each logging to
     root/logs/NAME.log. close() kills the workers (everything after the first) and stops the first,
@@ -130,6 +138,17 @@ class Idletrain:
                      stdout=out, stderr=subprocess.STDOUT)
         self.started.append(proc)
         return proc
+
+    def settle(self, client: httpx.Client, run: str, deltas: int) -> tuple[float, dict]:
+        """After the workers' rounds: wait until `deltas` deltas are merged, evaluate the global model once
+        more; (its loss, the run's status). The coordinator (the first process) must still be running."""
+        log = self.logs / "coordinator.log"
+        wait_merged(client, run, deltas, log=log)
+        final = client.post(f"/api/v1/runs/{run}/evaluate")
+        assert final.status_code == 200, final.text
+        st = client.get(f"/api/v1/runs/{run}/status").json()
+        assert self.started[0].poll() is None, tail(log)
+        return final.json()["loss"], st
 
     def train(self, url: str, run: str, *, workers: int, rounds: int, timeout_s: float = 120,
               prefix: str = "") -> list[str]:

@@ -46,17 +46,11 @@ def test_two_workers_train_with_int1_both_ways_over_loopback(tmp_path: Path, cor
             assert created.status_code == 201, created.text
             logs = lb.train(url, "int1", workers=WORKERS, rounds=ROUNDS)
             acknowledged = WORKERS * ROUNDS
-            procs.wait_merged(client, "int1", acknowledged, log=coord_log)
-            final = client.post("/api/v1/runs/int1/evaluate")
-            assert final.status_code == 200, final.text
-            st = client.get("/api/v1/runs/int1/status").json()
-            assert lb.started[0].poll() is None, procs.tail(coord_log)
+            final, st = lb.settle(client, "int1", acknowledged)
     finally:
         lb.close()
 
-    assert st["merged_deltas"] == acknowledged and st["rejected_deltas"] == 0, st
-    losses = [e["loss"] for e in st["eval_history"]]
-    assert final.json()["loss"] < losses[0] - 0.05, (losses, final.json())
+    procs.assert_trained(st, final, acknowledged)
     # a delta: at most one bit a value and a magnitude per 256 (zstd shrinks a tensor whose change has one sign)
     schema = meta_schema(ModelConfig.from_dict(MODEL))
     n_params = sum(math.prod(s) for s in schema.values())

@@ -65,21 +65,13 @@ def test_two_workers_train_sparseloco_over_loopback(tmp_path: Path, corpus_dir: 
             sent_kb = [float(kb) for log in logs for kb in re.findall(r"sent ([0-9.]+) KB", log)]
 
             acknowledged = WORKERS * ROUNDS
-            procs.wait_merged(client, "sparseloco", acknowledged, log=coord_log)
-            final = client.post("/api/v1/runs/sparseloco/evaluate")
-            assert final.status_code == 200, final.text
-            st = client.get("/api/v1/runs/sparseloco/status").json()
-            assert lb.started[0].poll() is None, procs.tail(coord_log)
+            final, st = lb.settle(client, "sparseloco", acknowledged)
     finally:
         lb.close()
 
     # every delta merged, none screened out: sparse 2-bit deltas pass the coordinator's checks
-    assert st["merged_deltas"] == acknowledged and st["rejected_deltas"] == 0, st
+    procs.assert_trained(st, final, acknowledged)
     assert st["version"] == acknowledged and st["exchanges"] == 0
-    loss0 = st["eval_history"][0]["loss"]
-    print("sparseloco eval losses", [(e["version"], round(e["loss"], 3)) for e in st["eval_history"]],
-          "final", round(final.json()["loss"], 3), "bytes per delta", st["bytes_up"] / acknowledged)
-    assert final.json()["loss"] < loss0 - 0.05, (loss0, [e["loss"] for e in st["eval_history"]], final.json())
 
     # the bytes: what the codec says a delta of k 2-bit values, their indices and magnitudes takes
     schema = meta_schema(ModelConfig.from_dict(MODEL))
