@@ -29,6 +29,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from idletrain.harness import free_port
 from idletrain.harness import wait_healthy as _wait_healthy_or_raise
 
 _started: list[subprocess.Popen] = []
@@ -131,13 +132,24 @@ class Idletrain:
         self.started: list[subprocess.Popen] = []
         self._files: list = []
 
-    def spawn(self, name: str, *args: str) -> subprocess.Popen:
+    def spawn(self, name: str, *args: str, extra_env: dict[str, str] | None = None) -> subprocess.Popen:
         out = open(self.logs / f"{name}.log", "w")
         self._files.append(out)
-        proc = popen([sys.executable, "-m", "idletrain", *args], env=env(), cwd=self.root,
+        proc = popen([sys.executable, "-m", "idletrain", *args], env={**env(), **(extra_env or {})}, cwd=self.root,
                      stdout=out, stderr=subprocess.STDOUT)
         self.started.append(proc)
         return proc
+
+    def serve(self, data: Path, corpus_dir: Path, **extra_env: str) -> str:
+        """`coordinator serve` (the first process, logging WARNING and up to coordinator.log) on a free
+        loopback port, with `extra_env` added to its environment, once it answers healthy; its URL."""
+        url = f"http://127.0.0.1:{free_port()}"
+        coord = self.spawn("coordinator", "--log-level", "WARNING", "coordinator", "serve", "--host", "127.0.0.1",
+                           "--port", url.rsplit(":", 1)[1], "--data-dir", str(data), "--corpus-dir", str(corpus_dir),
+                           extra_env=extra_env)
+        with httpx.Client(base_url=url, timeout=60) as client:
+            wait_healthy(client, coord, self.logs / "coordinator.log")
+        return url
 
     def settle(self, client: httpx.Client, run: str, deltas: int) -> tuple[float, dict]:
         """After the workers' rounds: wait until `deltas` deltas are merged, evaluate the global model once

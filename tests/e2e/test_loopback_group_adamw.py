@@ -12,9 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from idletrain.harness import free_port
 from tests import procs
-from tests.e2e.test_loopback_outer_warmup import Loopback
 from worker.state import decode_state
 
 ROUNDS = 3  # per worker
@@ -23,17 +21,12 @@ WORKERS = 2
 
 @pytest.mark.slow
 def test_two_workers_train_with_the_groups_second_moment_over_loopback(tmp_path: Path, corpus_dir: Path):
-    lb = Loopback(tmp_path)
-    url = f"http://127.0.0.1:{free_port()}"
+    lb = procs.Idletrain(tmp_path)
     data = tmp_path / "data"
     coord_log = lb.logs / "coordinator.log"
     try:
-        coord = lb.spawn_with("coordinator", {"IDLETRAIN_SPOT_CHECK_RATE": "1"},
-                              "--log-level", "WARNING", "coordinator", "serve", "--host", "127.0.0.1",
-                              "--port", url.rsplit(":", 1)[1], "--data-dir", str(data), "--corpus-dir", str(corpus_dir))
-        with httpx.Client(base_url=url, timeout=120) as client:
-            procs.wait_healthy(client, coord, coord_log)
-            client.headers.update(procs.admin_headers(data))
+        url = lb.serve(data, corpus_dir, IDLETRAIN_SPOT_CHECK_RATE="1")
+        with httpx.Client(base_url=url, timeout=120, headers=procs.admin_headers(data)) as client:
             created = client.post("/api/v1/runs", json={
                 "name": "group", "corpus": str(corpus_dir), "shard_tokens": 4096, "eval_tokens": 4096,
                 "eval_every": 2, "epochs": 0, "model": {"n_layer": 1, "d_model": 32, "n_head": 2, "context": 32},

@@ -13,7 +13,6 @@ from pathlib import Path
 import httpx
 import pytest
 
-from idletrain.harness import free_port
 from shared.algorithms.compress import round_bound
 from shared.config import CompressionConfig
 from shared.model import ModelConfig, meta_schema
@@ -28,15 +27,10 @@ COMPRESSION = {"index": "dense", "values": "int1", "error_feedback": True}
 @pytest.mark.slow
 def test_two_workers_train_with_int1_both_ways_over_loopback(tmp_path: Path, corpus_dir: Path):
     lb = procs.Idletrain(tmp_path)
-    url = f"http://127.0.0.1:{free_port()}"
     data = tmp_path / "data"
-    coord_log = lb.logs / "coordinator.log"
     try:
-        coord = lb.spawn("coordinator", "--log-level", "WARNING", "coordinator", "serve", "--host", "127.0.0.1",
-                         "--port", url.rsplit(":", 1)[1], "--data-dir", str(data), "--corpus-dir", str(corpus_dir))
-        with httpx.Client(base_url=url, timeout=120) as client:
-            procs.wait_healthy(client, coord, coord_log)
-            client.headers.update(procs.admin_headers(data))
+        url = lb.serve(data, corpus_dir)
+        with httpx.Client(base_url=url, timeout=120, headers=procs.admin_headers(data)) as client:
             created = client.post("/api/v1/runs", json={
                 "name": "int1", "corpus": str(corpus_dir), "shard_tokens": 4096, "eval_tokens": 4096,
                 "eval_every": 2, "epochs": 0, "model": MODEL,
