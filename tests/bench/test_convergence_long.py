@@ -48,13 +48,14 @@ def test_rows_per_replica_count_and_algorithms_at_the_largest():
 def test_the_default_and_the_best_row_are_repeated_at_other_seeds():
     p = LONG_PROFILES["long"]
     seeded = [t for t in tasks_for("long") if t.seed]
-    assert sorted(t.seed for t in seeded) == sorted(long.SEEDS * 5)
+    assert sorted(t.seed for t in seeded) == sorted(long.SEEDS * 5 + long.MORE_SEEDS * 3)
     assert all(t.method.name.endswith(f", seed {t.seed}") and t.replicas == 8 for t in seeded)
     assert sorted({t.method.kind for t in seeded}) == ["alone", "ddp", "diloco"]  # each seed with its baselines
     diloco = [t for t in seeded if t.method.kind == "diloco"]
     assert {t.method.second_moment_workers for t in diloco} == {1, 8}
     # the default and the group-normalised row at the profile's H, and the best row at >= 500x: int1 at H = 19
     assert sorted({(t.method.H, t.method.compression.values) for t in diloco}) == [(19, "int1"), (64, "int4")]
+    assert {t.method.H for t in diloco if t.seed in long.MORE_SEEDS} == {19}  # with their ddp and alone
     assert long.setup_for(p, 8, seed=2).seed == 2 and long.setup_for(p, 8).seed == 0
 
 
