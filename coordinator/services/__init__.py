@@ -8,7 +8,8 @@
                     the newest snapshot, pruning what every kept checkpoint holds
     workers.py      WorkerService: register, authenticate, list / revoke / readmit, standing (trust)
     leases.py       LeaseService: grant (the SQL shard pick), renew, release, expire
-    downloads.py    DownloadService: snapshots, model updates, shards, the run's tokenizer
+    downloads.py    DownloadService: snapshots, model updates (and the workers' copies they make, with
+                    update_feedback), shards, the run's tokenizer
     uploads.py      UploadService: precheck, accept (validate, stage, acknowledge)
     exchanges.py    ExchangeService: sparse exchanges (sparta) with the live model
     spotchecks.py   SpotCheckService: replay spot-checks: keep a sampled delta, re-train its round, judge
