@@ -62,6 +62,9 @@ class CoordinatorSettings(BaseSettings):
                                    "process serves at once (uvicorn limit_concurrency); over it: 503")
     snapshot_keep: int = Field(32, ge=2, description="recent snapshot versions kept on disk (a worker whose "
                                                      "last version is among them downloads only the change)")
+    update_copies_keep: int = Field(64, ge=1, description="workers' model copies kept per run with update_feedback "
+                                    "(the newest; each one fp32 model on disk): a worker whose copy is gone "
+                                    "downloads the snapshot once")
     checkpoint_every: int = Field(20, ge=1, description="versions between merger checkpoints")
     keep_deltas: bool = Field(False, description="keep every received delta file and sparse exchange body: an "
                               "audit trail, and what a rebuild from version 0 needs should no checkpoint survive. "

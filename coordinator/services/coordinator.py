@@ -48,7 +48,8 @@ class Coordinator:
         self.runs = RunService(self.db, self.storage, settings, live=self.live, recovery=self.recovery)
         self.workers = WorkerService(self.db, limiter=limiter, traffic=self.traffic)
         self.leases = LeaseService(self.db, settings, limiter=limiter, workers=self.workers)
-        self.downloads = DownloadService(self.db, self.storage, traffic=self.traffic, live=self.live)
+        self.downloads = DownloadService(self.db, self.storage, traffic=self.traffic, live=self.live,
+                                         copies_keep=settings.update_copies_keep)
         self.spotchecks = SpotCheckService(self.db, self.storage, rate=settings.spot_check_rate, live=self.live,
                                            workers=self.workers)
         self.uploads = UploadService(

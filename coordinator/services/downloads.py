@@ -23,14 +23,15 @@ from shared.config import RunConfig
 from shared.snapshot import decode_snapshot
 from shared.tokenizer import bytes_tokenizer
 
-# The workers' copies a run with update_feedback keeps (the newest, each one fp32 model): a worker whose
-# copy is gone is answered 410 and takes the snapshot, so this bounds the disk, never correctness.
-MAX_COPIES = 64
 
 
 class DownloadService:
-    def __init__(self, db: Database, storage: Storage, *, traffic: Traffic, live: LiveRuns) -> None:
+    def __init__(self, db: Database, storage: Storage, *, traffic: Traffic, live: LiveRuns,
+                 copies_keep: int = 64) -> None:
         self.db, self.storage, self.traffic, self.live = db, storage, traffic, live
+        # the workers' copies a run with update_feedback keeps (the newest, each one fp32 model): a worker
+        # whose copy is gone is answered 410 and takes the snapshot, so this bounds the disk, never correctness
+        self.copies_keep = copies_keep
         # one model update built at a time in this process: a build holds two decoded snapshots and
         # seconds of CPU, and the workers that held the same version ask for the same update at once;
         # those waiting read the blob the first one built
@@ -159,8 +160,8 @@ class DownloadService:
 
     def _prune_copies(self, run_id: int) -> None:
         names = self.storage.list(self.storage.copies(run_id))
-        if len(names) > MAX_COPIES:
-            for name in sorted(names, key=self.storage.modified_at)[:len(names) - MAX_COPIES]:
+        if len(names) > self.copies_keep:
+            for name in sorted(names, key=self.storage.modified_at)[:len(names) - self.copies_keep]:
                 self.storage.delete(name)
 
     def build_update(self, run_id: int, config_json: str, from_version: int, to_version: int) -> bytes:

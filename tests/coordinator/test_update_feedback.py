@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import torch
 
-from coordinator.services import downloads
 from shared import codec, protocol
 from shared.algorithms.sync import apply_update, copy_digest
 from shared.snapshot import decode_snapshot
@@ -86,13 +85,21 @@ def test_a_run_without_update_feedback_serves_the_change_between_versions(api, r
     assert api.coordinator.storage.list(api.coordinator.storage.copies(1)) == []
 
 
-def test_only_the_newest_copies_are_kept(api, run_config, make_delta, monkeypatch):
-    monkeypatch.setattr(downloads, "MAX_COPIES", 2)
-    api.create_run(run_config(update_values="int4", update_feedback=True))
-    _versions(api, make_delta, 3)
-    for path in ("0/1", "0/2", "0/3"):
-        assert api.client.get(f"{API}/runs/t/updates/{path}").status_code == 200
-    assert len(api.coordinator.storage.list(api.coordinator.storage.copies(1))) == 2
+def test_only_the_newest_copies_are_kept(tmp_path, open_api, run_config, make_delta):
+    from coordinator.settings import CoordinatorSettings
+
+    with open_api(CoordinatorSettings(data_dir=tmp_path / "c", update_copies_keep=2)) as api:
+        api.create_run(run_config(update_values="int4", update_feedback=True))
+        schema = _versions(api, make_delta, 3)
+        storage = api.coordinator.storage
+        v0, _ = decode_snapshot(api.snapshot(0), schema=schema)
+        made = []
+        for to in (1, 2, 3):
+            blob = api.client.get(f"{API}/runs/t/updates/0/{to}").content
+            copy = {n: t.clone() for n, t in v0.items()}
+            apply_update(copy, codec.decode(blob, schema=schema))
+            made.append(storage.copy(1, copy_digest(copy)))
+        assert storage.list(storage.copies(1)) == sorted(made[1:])  # the oldest copy went
 
 
 def test_int1_updates_need_update_feedback(api, run_config):
