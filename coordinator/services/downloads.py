@@ -24,7 +24,6 @@ from shared.snapshot import decode_snapshot
 from shared.tokenizer import bytes_tokenizer
 
 
-
 class DownloadService:
     def __init__(self, db: Database, storage: Storage, *, traffic: Traffic, live: LiveRuns,
                  copies_keep: int = 64) -> None:
@@ -116,8 +115,8 @@ class DownloadService:
         """The change from the worker's copy to `to_version` (sync.feedback_update), and the copy it
         makes kept under its digest for the worker's next update. The copy is one this run kept, or
         `from_version`'s snapshot when `copy` is its digest or not given; any other answers 410 (a copy
-        pruned, or one the worker made some other way: it takes the snapshot). Built on every request
-        (a retry builds the same bytes: same copy, same version, same rounding)."""
+        pruned, or one the worker made some other way: it takes the snapshot). One from a copy is built
+        on every request (a retry builds the same bytes: same copy, same version, same rounding)."""
         schema = self.live.schema_of(run_id)
         values = RunConfig.model_validate_json(config_json).update_values
         with self._update_build_lock:
