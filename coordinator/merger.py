@@ -124,6 +124,8 @@ class Merger:
         if kept and rt.version < kept[0][0] + self.coord.settings.checkpoint_every:
             return False
         with rt.lock:  # exchanges (sparta) may be changing the weights meanwhile
+            if rt.removed:  # deleted meanwhile (its files are gone: write none back)
+                return False
             checkpoints.write(rt)
         self.coord.recovery.prune_history(rt)
         log.info("run %s: overdue checkpoint of version %d written", rt.config.name, rt.version)
@@ -145,6 +147,8 @@ class Merger:
         were processed (0: none queued). A run the last step left ahead of the database is reloaded
         first (raises while that still fails)."""
         rt = self._current(rt)
+        if rt.removed:  # deleted (or finished) since the caller listed it
+            return 0
         settings, cfg = self.coord.settings, rt.config
         with self.coord.db.read() as c:
             rows = delta_rows.queued(c, rt.run_id, after=rt.version, through=rt.version + self.BATCH + 1)
@@ -169,6 +173,8 @@ class Merger:
         # The version is committed before the lock is released: an exchange that follows this
         # merge (and records after_version = this version) can never be ahead of the database.
         with rt.lock:
+            if rt.removed:  # deleted since this step began: nothing of it is merged or written
+                return 0
             try:
                 outs = rt.merge_batch(items, write_snapshot=snapshot)
                 self._commit(rt, outs)
@@ -198,6 +204,8 @@ class Merger:
             self.coord.reports.evaluate(rt)
         if last % settings.checkpoint_every == 0:
             with rt.lock:  # exchanges (sparta) may be changing the weights meanwhile
+                if rt.removed:
+                    return len(outs)
                 checkpoints.write(rt)
             self._gc_snapshots(rt)
             self.coord.recovery.prune_history(rt)

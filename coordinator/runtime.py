@@ -109,6 +109,9 @@ class RunRuntime:
         # merger then reloads the run into a new object): exchanges must not fold into it meanwhile, or
         # they would be recorded after a version the database never reached
         self.ahead = False
+        # True once the coordinator forgot this run (finished or deleted: LiveRuns.remove): a thread that
+        # still holds this object must write nothing more of it (a deleted run's folder would come back)
+        self.removed = False
         self.lock = threading.Lock()  # held while the state changes or is read (evaluation, snapshot, checkpoint)
         # the last snapshot this process wrote: its version (None: not known yet, ask the database),
         # how long it took and when it ended (time.monotonic()): see snapshot_allowed

@@ -41,8 +41,10 @@ class LiveRuns:
     def remove(self, run_id: int) -> None:
         """Forget one run's live model (it finished, or was deleted)."""
         with self._lock:
-            self.runtimes.pop(run_id, None)
+            rt = self.runtimes.pop(run_id, None)
             self._schemas.pop(run_id, None)
+        if rt is not None:
+            rt.removed = True
 
     def runtime_list(self) -> list[RunRuntime]:
         with self._lock:

@@ -167,6 +167,8 @@ class RecoveryService:
                 rt.snapshot_version = rt.version
                 return False
         with rt.lock:  # exchanges (sparta) may be changing the weights meanwhile
+            if rt.removed:  # deleted meanwhile (its files are gone: write none back)
+                return False
             version = rt.version
             sha, size = rt.write_snapshot()
         try:

@@ -167,6 +167,24 @@ def test_archive_keeps_the_final_model_and_drops_the_rest(api, run, make_delta):
     assert api.operator("post", f"{API}/runs/t/archive").status_code == 409
 
 
+def test_a_thread_still_holding_a_deleted_runs_model_writes_nothing_back(api, run, make_delta):
+    """The merger's idle loop lists the live runs, then works on each: a run deleted in between must
+    not get its folder back from a snapshot, a checkpoint or a merge step of the object it holds."""
+    headers = api.register()
+    lease = api.lease(headers)
+    api.accept(lease.lease_id, make_delta(lease), headers)
+    coord = api.coordinator
+    (rt,) = coord.live.runtime_list()  # listed before the delete, as the idle loop would
+    rt.version += 1  # a newer version than any snapshot: the catch-up would write one
+    resp = api.operator("delete", f"{API}/runs/t", params={"force": "true"})
+    assert resp.status_code == 200, resp.text
+    assert rt.removed
+    assert api.merger.step(rt) == 0
+    assert not api.merger.catch_up_checkpoint(rt)
+    assert not coord.recovery.snapshot_newest(rt)
+    assert not (coord.storage.blobs.root / f"runs/{rt.run_id}").exists()
+
+
 def test_delete_removes_every_row_and_file(api, run_config, run, make_delta):
     api.create_run(run_config("other"))
     headers = api.register()
