@@ -114,6 +114,16 @@ def int1_rounds(p: LongProfile) -> list[int]:
     return sorted({max(1, round(p.H / f)) for f in (3, 10 / 3, 4)}, reverse=True)
 
 
+def int1_methods(p: LongProfile, grouped: Method, name: str) -> list[Method]:
+    """`grouped` (the group-normalised row, named `name`) with int1 both ways at each of int1_rounds, and
+    the one at ~520x (H / 3.33) again with outer lr 1.2 and no momentum."""
+    int1 = [dataclasses.replace(grouped, name=f"{name}, H={h}, {INT1_FEEDBACK}", H=h, **INT1_BOTH_WAYS)
+            for h in int1_rounds(p)]
+    tuned = next(m for m in int1 if m.H == max(1, round(p.H * 3 / 10)))
+    return int1 + [dataclasses.replace(tuned, name=f"{tuned.name}{INT1_TUNED}",
+                                       outer=tuned.outer.model_copy(update={"lr": 1.2, "momentum": 0.0}))]
+
+
 def algorithm_methods(p: LongProfile, workers: int) -> list[Method]:
     """What the literature says captures more, each against the default at the same M and tokens."""
     default = default_method(p, workers)
@@ -140,11 +150,7 @@ def algorithm_methods(p: LongProfile, workers: int) -> list[Method]:
                                            H=h) for h in shorter(p, (4, 8))]
     rows += [dataclasses.replace(group, name=f"{group.name}, H={h}, int2 up and down", H=h,
                                  compression=DENSE_INT2, update_values="int2") for h in shorter(p, (2, 4))]
-    int1 = [dataclasses.replace(group, name=f"{group.name}, H={h}, {INT1_FEEDBACK}", H=h, **INT1_BOTH_WAYS)
-            for h in int1_rounds(p)]
-    at_500x = next(m for m in int1 if m.H == max(1, round(p.H * 3 / 10)))  # 19 of 64: ~520x
-    rows += int1 + [dataclasses.replace(at_500x, name=f"{at_500x.name}{INT1_TUNED}",
-                                        outer=outer.model_copy(update={"lr": 1.2, "momentum": 0.0}))]
+    rows += int1_methods(p, group, group.name)
     rows += [
         dataclasses.replace(default, name="default, speeds 1-4x", speed_spread=4.0),
         dataclasses.replace(default, name="dynamic H (H x speed / mean), speeds 1-4x", speed_spread=4.0, dynamic_h=True),
@@ -191,11 +197,7 @@ def probe_methods(p: LongProfile, workers: int, batch: int) -> list[Method]:
         rows += [dataclasses.replace(grouped, name=f"{group}, H={h}", H=h) for h in shorter(p, (4, 8))]
         rows += [dataclasses.replace(grouped, name=f"{group}, H={h}, int2 up and down", H=h, compression=DENSE_INT2,
                                      update_values="int2") for h in shorter(p, (2, 4))]
-        int1 = [dataclasses.replace(grouped, name=f"{group}, H={h}, {INT1_FEEDBACK}", H=h, **INT1_BOTH_WAYS)
-                for h in int1_rounds(p)]
-        tuned = next(m for m in int1 if m.H == max(1, round(p.H * 3 / 10)))
-        rows += int1 + [dataclasses.replace(tuned, name=f"{tuned.name}{INT1_TUNED}",
-                                            outer=outer.model_copy(update={"lr": 1.2, "momentum": 0.0}))]
+        rows += int1_methods(p, grouped, group)
         # what the downloads' feedback is worth: int1 updates of the change between versions, re-synced by
         # a full snapshot every sync.MAX_HOPS + 1 (a simulator-only setting: RunConfig refuses int1 updates
         # without update_feedback)

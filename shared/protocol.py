@@ -144,9 +144,9 @@ def lease_compression(cfg: RunConfig) -> CompressionConfig:
 
 def lease_api_version(cfg: RunConfig) -> int:
     """The oldest worker API that takes the run's leases: a version-3 worker knows neither int1 values
-    nor update_feedback's copies;
-    a version-2 worker knows neither int2 values, feedback_decay nor inner.second_moment_workers (their
-    configs leave a decay of 1 and second_moment_workers 1 out of their JSON)."""
+    nor update_feedback's copies; a version-2 worker knows neither int2 values, feedback_decay nor
+    inner.second_moment_workers (their configs leave a decay of 1 and second_moment_workers 1 out of
+    their JSON)."""
     compression = lease_compression(cfg)
     if compression.values == "int1" or cfg.update_feedback:  # int1 updates come only with update_feedback
         return 4

@@ -263,7 +263,7 @@ class INT1Values(ValueCodec):
     """Each value is +-m, one magnitude m per block of BLOCK values: the block's mean |value|,
     which of all single magnitudes gives the block the least squared error (d/dm sum(|v| - m)^2 = 0).
     Zero is sent as +m: like INT2, only for what error feedback corrects. The relative L2 error of
-    standard normal values is sqrt(1 - 2/pi) = 0.60 (tests/shared/codec/test_codec.py).
+    standard normal values is sqrt(1 - 2/pi) = 0.60 (tests/shared/codec/test_int1.py).
 
     Section: nblocks fp32 magnitudes, then one bit a value, 8 to a byte, the first value in the low
     bit; a set bit is a negative value."""
