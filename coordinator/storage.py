@@ -200,11 +200,16 @@ class Storage:
 
     def copies(self, run_id: int) -> str:
         """The folder of the workers' model copies of a run with update_feedback: `<sha256>.f32`, each
-        copy's tensors in name order as little-endian float32, named by sync.copy_digest."""
+        copy's tensors in name order as little-endian float32, named by sync.copy_digest, and the updates
+        built from them (copy_update)."""
         return f"{self.run_dir(run_id)}/copies"
 
     def copy(self, run_id: int, digest: str) -> str:
         return f"{self.copies(run_id)}/{digest}.f32"
+
+    def copy_update(self, run_id: int, digest: str, to_version: int) -> str:
+        """The update from the copy `digest` to `to_version`, kept beside the copy (and deleted with it)."""
+        return f"{self.copies(run_id)}/{digest}.{to_version:010d}.delta"
 
     def deltas(self, run_id: int) -> str:
         """The folder of a run's received deltas: one per sequence number (`<seq>.delta`), the staged

@@ -82,15 +82,13 @@ class DownloadService:
         if RunConfig.model_validate_json(run.config_json).update_feedback:
             if to_version not in kept:
                 raise Gone(f"version {to_version} is no longer kept; fetch the latest snapshot instead")
-            name = self.storage.update(run.id, from_version, to_version)
+            # the same for every worker that holds from_version itself, or the same copy: built once, kept
+            name = (self.storage.update(run.id, from_version, to_version) if copy is None
+                    else self.storage.copy_update(run.id, copy, to_version))
             try:
-                blob = self.storage.read(name) if copy is None else None
+                blob = self.storage.read(name)
             except FileNotFoundError:
-                blob = None
-            if blob is None:
-                blob = self.feedback_update(run.id, run.config_json, from_version, to_version, copy)
-                if copy is None:  # the same for every worker that holds from_version itself: kept
-                    self.storage.write(name, blob)
+                blob = self.feedback_update(run.id, run.config_json, from_version, to_version, copy, keep_as=name)
             self.traffic.add(run.id, down_model=len(blob))
             return blob, hashlib.sha256(blob).hexdigest(), True
         if len(kept) < 2:
@@ -111,15 +109,21 @@ class DownloadService:
         return blob, hashlib.sha256(blob).hexdigest(), False
 
     def feedback_update(self, run_id: int, config_json: str, from_version: int, to_version: int,
-                        copy: str | None) -> bytes:
+                        copy: str | None, *, keep_as: str | None = None) -> bytes:
         """The change from the worker's copy to `to_version` (sync.feedback_update), and the copy it
         makes kept under its digest for the worker's next update. The copy is one this run kept, or
         `from_version`'s snapshot when `copy` is its digest or not given; any other answers 410 (a copy
-        pruned, or one the worker made some other way: it takes the snapshot). One from a copy is built
-        on every request (a retry builds the same bytes: same copy, same version, same rounding)."""
+        pruned, or one the worker made some other way: it takes the snapshot). With `keep_as` the blob is
+        kept under that name, and a request waiting on the build lock reads it there instead of building
+        it again: a retry, and workers holding the same copy (same copy, same version: same bytes)."""
         schema = self.live.schema_of(run_id)
         values = RunConfig.model_validate_json(config_json).update_values
         with self._update_build_lock:
+            if keep_as is not None:
+                try:  # built by another request while this one waited
+                    return self.storage.read(keep_as)
+                except FileNotFoundError:
+                    pass
             base = self._read_copy(run_id, copy, schema) if copy is not None else None
             if base is None:
                 try:
@@ -137,7 +141,9 @@ class DownloadService:
             name = self.storage.copy(run_id, sync.copy_digest(moved))
             if not self.storage.exists(name):
                 self.storage.write(name, [moved[n].numpy().astype("<f4", copy=False).tobytes() for n in sorted(moved)])
-                self._prune_copies(run_id)
+            if keep_as is not None:
+                self.storage.write(keep_as, blob)
+            self._prune_copies(run_id)
             self.updates_built += 1
         return blob
 
@@ -158,9 +164,15 @@ class DownloadService:
         return out
 
     def _prune_copies(self, run_id: int) -> None:
+        """The newest copies_keep copies stay, with the updates built from them; the rest go."""
         names = self.storage.list(self.storage.copies(run_id))
-        if len(names) > self.copies_keep:
-            for name in sorted(names, key=self.storage.modified_at)[:len(names) - self.copies_keep]:
+        def digest(name: str) -> str:
+            return name.rsplit("/", 1)[-1].split(".", 1)[0]
+
+        copies = sorted((n for n in names if n.endswith(".f32")), key=self.storage.modified_at)
+        kept = {digest(n) for n in copies[-self.copies_keep:]}
+        for name in names:
+            if digest(name) not in kept:
                 self.storage.delete(name)
 
     def build_update(self, run_id: int, config_json: str, from_version: int, to_version: int) -> bytes:

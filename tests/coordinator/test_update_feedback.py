@@ -102,6 +102,30 @@ def test_only_the_newest_copies_are_kept(tmp_path, open_api, run_config, make_de
         assert storage.list(storage.copies(1)) == sorted(made[1:])  # the oldest copy went
 
 
+def test_an_update_from_a_copy_is_built_once_and_goes_with_the_copy(tmp_path, open_api, run_config, make_delta):
+    from coordinator.settings import CoordinatorSettings
+
+    with open_api(CoordinatorSettings(data_dir=tmp_path / "c", update_copies_keep=2)) as api:
+        api.create_run(run_config(update_values="int1", update_feedback=True))
+        schema = _versions(api, make_delta, 4)
+        storage, downloads = api.coordinator.storage, api.coordinator.downloads
+        copy1, _ = _moved(api, schema, decode_snapshot(api.snapshot(0), schema=schema)[0], "0/1")
+        built = downloads.updates_built
+        path = f"1/3/{copy_digest(copy1)}"
+        copy3, blob = _moved(api, schema, copy1, path)
+        assert downloads.updates_built == built + 1
+        # a retry, or a second worker holding the same copy: the kept bytes, not built again
+        assert api.client.get(f"{API}/runs/t/updates/{path}", headers=api.worker).content == blob
+        assert downloads.updates_built == built + 1
+        assert storage.exists(storage.copy_update(1, copy_digest(copy1), 3))
+        copy4, _ = _moved(api, schema, copy3, f"3/4/{copy_digest(copy3)}")
+        # two copies kept: the oldest went, and the update built from it with it
+        assert set(storage.list(storage.copies(1))) == {
+            storage.copy(1, copy_digest(copy3)), storage.copy_update(1, copy_digest(copy3), 4),
+            storage.copy(1, copy_digest(copy4))}
+        assert api.client.get(f"{API}/runs/t/updates/{path}", headers=api.worker).status_code == 410
+
+
 def test_int1_updates_need_update_feedback(api, run_config):
     resp = api.client.post(f"{API}/runs", json=run_config(update_values="int1"), headers=api.admin)
     assert resp.status_code == 422 and "needs update_feedback" in resp.text
