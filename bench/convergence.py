@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from bench.convergence_long import long_run_method
 from bench.sim import Method, Result, Setup, ddp_bytes_per_worker, run_method
 from shared.config import CompressionConfig, InnerConfig, OuterConfig, RunConfig
 from shared.data import load_corpus
@@ -102,6 +103,8 @@ def methods_for(p: Profile, *, workers: int, hetero: float = 1.0) -> list[Method
         # the long runs' inner optimiser (shared/algorithms/group_adamw.py) in a run of a few rounds
         methods.append(dataclasses.replace(default, name=f"{default.name.removesuffix(' (default)')}, group-normalised "
                                            "AdamW", second_moment_workers=workers))
+        # and the whole long-run configuration, the long profile's best row at >= 500x, in a run of a few rounds
+        methods.append(long_run_method(default, workers))
     if hetero != 1.0:  # the default method again with workers of unequal speed, side by side, and with
         # each worker's H scaled by its speed (Async Local-SGD's dynamic local steps)
         uneven = dataclasses.replace(default, name=f"{default.name}, speeds 1-{hetero:g}x", speed_spread=hetero)

@@ -87,6 +87,16 @@ INT1_FEEDBACK = "int1 up and down, downloads with error feedback"
 INT1_TUNED = ", outer lr 1.2, no momentum"  # what the int1 row at ~520x is run with again (seeds)
 
 
+def long_run_method(default: Method, workers: int, H: int = 19) -> Method:
+    """The long-run configuration (docs/BENCHMARKS.md, deploy/run.long.toml) from the default row: AdamW
+    normalised for the workers' combined batch, int1 both ways with downloads from the worker's copy, rounds of
+    `H` (19: about 520x less traffic than ddp), outer lr 1.2 without momentum."""
+    return dataclasses.replace(
+        default, name=f"long-run configuration: group-normalised AdamW, H={H}, {INT1_FEEDBACK}{INT1_TUNED}", H=H,
+        second_moment_workers=workers, outer=default.outer.model_copy(update={"lr": 1.2, "momentum": 0.0}),
+        **INT1_BOTH_WAYS)
+
+
 @dataclasses.dataclass(frozen=True)
 class Task:
     profile: str
@@ -153,7 +163,8 @@ def algorithm_methods(p: LongProfile, workers: int) -> list[Method]:
     rows += int1_methods(p, group, group.name)
     rows += [
         dataclasses.replace(default, name="default, speeds 1-4x", speed_spread=4.0),
-        dataclasses.replace(default, name="dynamic H (H x speed / mean), speeds 1-4x", speed_spread=4.0, dynamic_h=True),
+        dataclasses.replace(default, name="dynamic H (H x speed / mean), speeds 1-4x", speed_spread=4.0,
+                            dynamic_h=True),
     ]
     return rows
 

@@ -706,3 +706,20 @@ def test_run_example_is_a_valid_run_that_keeps_the_recommended_algorithm():
     assert cfg.compression == defaults.compression, cfg.compression
     assert cfg.outer.model_copy(update={"group": defaults.outer.group}) == defaults.outer, cfg.outer
     assert cfg.algorithm == defaults.algorithm
+
+
+def test_run_long_is_the_long_run_configuration_the_benchmark_measured():
+    """deploy/run.long.toml sets what the long profile measured as its long-run configuration
+    (bench/convergence_long.py's long_run_method): the file and the measured row cannot drift apart."""
+    from bench.convergence_long import long_run_method
+    from bench.sim import Method
+    from shared import protocol
+
+    cfg = build_run_config("long", str(DEPLOY / "run.long.toml"), {})
+    row = long_run_method(Method("default", "diloco"), workers=cfg.outer.group)
+    assert cfg.inner.steps == row.H
+    assert cfg.inner.second_moment_workers == row.second_moment_workers == cfg.outer.group
+    assert cfg.compression == row.compression
+    assert (cfg.update_values, cfg.update_feedback, row.down) == (row.update_values, True, "feedback")
+    assert (cfg.outer.lr, cfg.outer.momentum) == (row.outer.lr, row.outer.momentum)
+    assert protocol.lease_api_version(cfg) == protocol.API_VERSION == 4
