@@ -39,12 +39,27 @@ def demo_config(*, workers: int, minutes: float) -> RunConfig:
     })
 
 
-def summarise(status: dict) -> dict:
+def rejection_reasons(metrics_text: str, run: str = "demo") -> dict[str, int]:
+    """The run's rejected deltas by reason class, from the coordinator's /metrics (only those seen; none
+    when the text is not the Prometheus format)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        return {sample.labels["reason"]: int(sample.value)
+                for family in text_string_to_metric_families(metrics_text)
+                if family.name == "idletrain_merge_rejections" for sample in family.samples
+                if sample.name.endswith("_total") and sample.labels.get("run") == run and sample.value > 0}
+    except ValueError:
+        return {}
+
+
+def summarise(status: dict, reasons: dict[str, int] | None = None) -> dict:
     hist = status["eval_history"]
     return {
         "tokens_trained": status["tokens_trained"],
         "merged_deltas": status["merged_deltas"],
         "rejected_deltas": status["rejected_deltas"],
+        "rejected_by_reason": reasons or {},
         "eval_loss_first": hist[0]["loss"] if hist else None,
         "eval_loss_last": hist[-1]["loss"] if hist else None,
         "bytes_up": status["bytes_up"],
@@ -73,7 +88,8 @@ def run_demo(*, workers: int = 3, minutes: float = 3.0, as_json: bool = False, k
         _start_workers(procs, url=url, data_dir=data_dir, env=env, workers=workers)
         _watch(client, procs, minutes=minutes, out=out)
         status = _stop_workers_and_evaluate(client, procs, out=out)
-        summary = summarise(status)
+        reasons = rejection_reasons(client.get("/metrics").text) if status["rejected_deltas"] else {}
+        summary = summarise(status, reasons)
         _print_summary(summary, status, out)
         if as_json:
             print(json.dumps(summary), file=out, flush=True)
@@ -197,8 +213,9 @@ def _print_summary(summary: dict, status: dict, out) -> None:
     first, last = summary["eval_loss_first"], summary["eval_loss_last"]
     print("\nsummary", file=out)
     print(f"  tokens trained        {summary['tokens_trained']:,} ({status['worker_steps']:,} local steps)", file=out)
+    why = ", ".join(f"{reason} {n}" for reason, n in sorted(summary["rejected_by_reason"].items()))
     print(f"  deltas merged         {summary['merged_deltas']} (version {status['version']}, "
-          f"{status['rejected_deltas']} rejected)", file=out)
+          f"{status['rejected_deltas']} rejected{': ' + why if why else ''})", file=out)
     print(f"  eval loss (nats/byte) {first:.3f} -> {last:.3f}", file=out)
     print(f"  bytes up / down       {summary['bytes_up'] / 1e6:.2f} MB / {summary['bytes_down'] / 1e6:.2f} MB "
           f"(model {status['bytes_down_model'] / 1e6:.2f} MB, data {status['bytes_down_data'] / 1e6:.2f} MB)",

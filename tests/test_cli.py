@@ -225,6 +225,36 @@ def test_the_demo_summary_says_how_many_deltas_were_merged_and_rejected():
     assert (summary["eval_loss_first"], summary["eval_loss_last"]) == (5.4, 2.2)
 
 
+def test_the_demo_summary_says_why_deltas_were_rejected(tmp_path):
+    """The reasons come from the coordinator's own /metrics, rendered by its real Metrics."""
+    import io
+    from types import SimpleNamespace
+
+    from fastapi.testclient import TestClient
+
+    from coordinator.app import create_app
+    from coordinator.settings import CoordinatorSettings
+    from idletrain.demo import _print_summary, rejection_reasons, summarise
+    from shared.algorithms.robust import Rejection
+
+    app = create_app(CoordinatorSettings(data_dir=tmp_path / "c"))
+    with TestClient(app, base_url="http://127.0.0.1") as client:
+        for run, n in (("demo", 2), ("other", 5)):  # what the merger reports for each delta it rejected
+            for _ in range(n):
+                client.app.state.metrics.observe_merge(SimpleNamespace(config=SimpleNamespace(name=run)),
+                                                       SimpleNamespace(merged=False, rejection=Rejection.STALE), 0.01)
+        reasons = rejection_reasons(client.get("/metrics").text)
+    assert reasons == {"stale": 2}
+    assert rejection_reasons("not the Prometheus text format {") == {}  # the summary goes on without reasons
+    status = {"eval_history": [{"loss": 5.4}, {"loss": 2.2}], "tokens_trained": 1000, "merged_deltas": 27,
+              "rejected_deltas": 2, "bytes_up": 10, "bytes_down": 20, "traffic_ratio_vs_dense": 300.0,
+              "worker_steps": 100, "version": 27, "bytes_down_model": 5, "bytes_down_data": 15,
+              "dense_equivalent_bytes": 3000}
+    out = io.StringIO()
+    _print_summary(summarise(status, reasons), status, out)
+    assert "27 (version 27, 2 rejected: stale 2)" in out.getvalue()
+
+
 def _serve_captured(tmp_path, monkeypatch, *extra) -> dict:
     """What `idletrain coordinator serve` hands uvicorn.run (the app, or its factory, and every
     keyword), without serving: uvicorn.run is replaced for the call."""
