@@ -73,7 +73,7 @@ def _wallclock_long(args: argparse.Namespace, out: Path, command: str) -> int:
                     f"--out {source}` first (hours on 2 cores), or pass --from DIR")
     result = run(source=source, out=out, up_mbps=tuple(args.up_mbps), down_ratio=args.down_ratio, rtt_ms=args.rtt_ms,
                  hetero=args.hetero, coordinator_mbps=args.coordinator_mbps or None, step_ms=args.step_ms,
-                 command=f"{command} --from {source}")
+                 threads=args.threads, command=f"{command} --from {source}")
     print((out / "results.md").read_text())
     print(f"wrote {out / 'results.json'}, {out / 'results.md'}, {out / 'wallclock.png'}")
     return 0 if result["rows"] else 1

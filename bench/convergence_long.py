@@ -85,16 +85,21 @@ INT1_BOTH_WAYS = {"compression": CompressionConfig(index="dense", values="int1",
                   "update_values": "int1", "down": "feedback"}
 INT1_FEEDBACK = "int1 up and down, downloads with error feedback"
 INT1_TUNED = ", outer lr 1.2, no momentum"  # what the int1 row at ~520x is run with again (seeds)
+# that row again at lower inner lrs (the group's AdamW steps up to sqrt(N) further than each worker's): the
+# first of them at every seed, with ddp and the lone worker at the same factor beside it. 0.7 won at seed 0
+# and then at each of seeds 1-4: the long-run configuration's
+LOWER_INNER_LRS = (0.7, 0.5)
 
 
 def long_run_method(default: Method, workers: int, H: int = 19) -> Method:
     """The long-run configuration (docs/BENCHMARKS.md, deploy/run.long.toml) from the default row: AdamW
-    normalised for the workers' combined batch, int1 both ways with downloads from the worker's copy, rounds of
-    `H` (19: about 520x less traffic than ddp), outer lr 1.2 without momentum."""
+    normalised for the workers' combined batch at 0.7x the inner lr, int1 both ways with downloads from the
+    worker's copy, rounds of `H` (19: about 520x less traffic than ddp), outer lr 1.2 without momentum."""
+    low = LOWER_INNER_LRS[0]
     return dataclasses.replace(
-        default, name=f"long-run configuration: group-normalised AdamW, H={H}, {INT1_FEEDBACK}{INT1_TUNED}", H=H,
-        second_moment_workers=workers, outer=default.outer.model_copy(update={"lr": 1.2, "momentum": 0.0}),
-        **INT1_BOTH_WAYS)
+        default, name=f"long-run configuration: group-normalised AdamW, H={H}, {INT1_FEEDBACK}{INT1_TUNED}, "
+                      f"inner lr x{low:g}", H=H, second_moment_workers=workers, inner_lr_factor=low,
+        outer=default.outer.model_copy(update={"lr": 1.2, "momentum": 0.0}), **INT1_BOTH_WAYS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -245,8 +250,17 @@ def tasks_for(profile: str, *, algorithms: bool = True) -> list[Task]:
     top = max(p.replicas)
     tasks.append(Task(profile, top, Method("ddp, lr x2", "ddp"), lr_factor=2.0))
     if algorithms:
+        low = LOWER_INNER_LRS[0]  # ddp's lr sweep x{low} / x1 / x2, and the lone worker's x{low} / x1
+        tasks += [Task(profile, top, Method(f"ddp, lr x{low:g}", "ddp"), lr_factor=low),
+                  Task(profile, top, Method(f"1 worker alone (1/{top} of the tokens), lr x{low:g}", "alone"),
+                       lr_factor=low)]
         methods = algorithm_methods(p, top)
         tasks += [Task(profile, top, m) for m in methods]
+        tuned = next(m for m in methods if m.name.endswith(INT1_TUNED))
+        for f in LOWER_INNER_LRS:
+            tasks += [Task(profile, top, dataclasses.replace(
+                tuned, name=f"{tuned.name}, inner lr x{f:g}" + (f", seed {s}" if s else ""), inner_lr_factor=f),
+                seed=s) for s in ((0, *SEEDS, *MORE_SEEDS) if f == low else (0,))]
         # one run of a row carries seed noise as large as most differences between rows: the default and
         # the best rows again at other seeds (other initial weights and batches), with ddp and the lone worker
         # at those seeds too, each seed's rows measured against its own
@@ -295,7 +309,8 @@ def row_for(task: Task, r: Result, *, dense_bytes: float) -> dict:
     moved = r.bytes_up_per_worker + r.bytes_down_per_worker
     return {"replicas": task.replicas, "batch": task.batch or LONG_PROFILES[task.profile].batch,
             "method": task.method.name, "kind": task.method.kind, "seed": task.seed,
-            "lr": LONG_PROFILES[task.profile].lr * task.lr_factor, "eval_loss": round(r.eval_loss, 4),
+            "lr": LONG_PROFILES[task.profile].lr * task.lr_factor * task.method.inner_lr_factor,
+            "eval_loss": round(r.eval_loss, 4),
             "bytes_up_per_worker": int(r.bytes_up_per_worker), "bytes_down_per_worker": int(r.bytes_down_per_worker),
             "traffic_reduction_vs_ddp": round(dense_bytes / moved, 1) if moved and task.method.kind != "ddp" else None,
             "merges": r.merges, "wall_s": round(r.wall_s, 1),
@@ -304,7 +319,7 @@ def row_for(task: Task, r: Result, *, dense_bytes: float) -> dict:
 
 def add_gains(rows: list[dict]) -> None:
     """Per replica count, per-worker batch and seed: each row's loss over ddp's and its captured gain
-    (alone - row) / (alone - ddp), ddp being the best of its lr sweep (no baseline tuned down). A seed
+    (alone - row) / (alone - ddp), ddp and alone each the best of its lrs (no baseline tuned down). A seed
     without its own ddp and lone worker is measured against seed 0's."""
     for m, b, seed in {(r["replicas"], r.get("batch"), r.get("seed", 0)) for r in rows}:
         group = [r for r in rows if r["replicas"] == m and r.get("batch") == b and r.get("seed", 0) == seed]
@@ -313,7 +328,7 @@ def add_gains(rows: list[dict]) -> None:
             seed = 0
         bases = [r for r in bases if r.get("seed", 0) == seed]
         ddp = min((r for r in bases if r["kind"] == "ddp"), key=lambda r: r["eval_loss"], default=None)
-        alone = next((r for r in bases if r["kind"] == "alone"), None)
+        alone = min((r for r in bases if r["kind"] == "alone"), key=lambda r: r["eval_loss"], default=None)
         for r in group:
             r["loss_ratio_vs_ddp"] = round(r["eval_loss"] / ddp["eval_loss"], 4) if ddp else None
             gap = alone["eval_loss"] - ddp["eval_loss"] if ddp and alone else 0.0

@@ -82,6 +82,7 @@ class Method:
     # diloco: InnerConfig.second_moment_workers, each worker's AdamW normalised for this many workers'
     # combined batch (shared/algorithms/group_adamw.py); 1: plain AdamW
     second_moment_workers: int = 1
+    inner_lr_factor: float = 1.0  # the setup's inner lr times this (a row tuned apart from the others)
 
 
 @dataclasses.dataclass
@@ -334,6 +335,9 @@ def run_diloco(setup: Setup, method: Method, *, on_merge: Callable[[int], None] 
 
 
 def run_method(setup: Setup, method: Method) -> Result:
+    if method.inner_lr_factor != 1.0:
+        setup = dataclasses.replace(setup, inner=setup.inner.model_copy(
+            update={"lr": setup.inner.lr * method.inner_lr_factor}))
     if method.kind == "ddp":
         return run_ddp(setup, method)
     if method.kind == "alone":

@@ -45,9 +45,9 @@ def trained_rows(conv: list[dict], profile: str) -> tuple[list[tuple[Row, list[d
     for r in conv:
         if r["replicas"] != workers or r["method"] not in methods or methods[r["method"]][0].speed_spread != 1.0:
             continue  # unequal speeds are a compute matter: the clock charges every worker one step time
-        if r.get("seed", 0) and r["kind"] in ("ddp", "alone"):
-            continue  # the baselines on the clock are seed 0's, as the rows' lr sweep is
         method, factor = methods[r["method"]]
+        if r.get("seed", 0) or r["kind"] == "alone" and factor != 1.0:
+            continue  # seed 0's rows, as the lr sweep is (another seed's clock is the same); one lone worker
         result = _result(r)
         if r["kind"] == "ddp":
             result.bytes_up_per_worker = result.bytes_down_per_worker = ring
@@ -60,7 +60,8 @@ def trained_rows(conv: list[dict], profile: str) -> tuple[list[tuple[Row, list[d
             traffic = RowTraffic(rounds=rounds, H=method.H, delta_bytes_up=result.bytes_up_per_worker,
                                  update_bytes_down=result.bytes_down_per_worker,
                                  extra_round_s=calibrate_round_s(setup, method))
-            rows.append((Row(r["method"], method, "worker"), [{"lr": p.lr, "result": result, "traffic": traffic}]))
+            rows.append((Row(r["method"], method, "worker"),
+                         [{"lr": p.lr * factor * method.inner_lr_factor, "result": result, "traffic": traffic}]))
     if not ddp_runs or not any(row.pattern == "alone" for row, _ in rows):
         raise ValueError(f"the convergence results hold no ddp or no lone-worker row at {workers} replicas: "
                          f"run `python -m bench convergence --profile {profile}` first")
@@ -70,7 +71,9 @@ def trained_rows(conv: list[dict], profile: str) -> tuple[list[tuple[Row, list[d
 
 def run(*, source: Path, out: Path, up_mbps: tuple[float, ...] = (10.0, 100.0, 1000.0), down_ratio: float = 5.0,
         rtt_ms: float = 30.0, hetero: float = 1.0, coordinator_mbps: float | None = 1000.0,
-        step_ms: float | None = None, command: str = "") -> dict:
+        step_ms: float | None = None, threads: int | None = None, command: str = "") -> dict:
+    if threads:
+        torch.set_num_threads(threads)
     results_path, meta_path = source / "results.json", source / "meta.json"
     if not results_path.exists() or not meta_path.exists():
         raise FileNotFoundError(f"no long convergence results in {source}: run `python -m bench convergence "
@@ -79,6 +82,7 @@ def run(*, source: Path, out: Path, up_mbps: tuple[float, ...] = (10.0, 100.0, 1
     profile = conv_meta["profile"]
     trained, workers = trained_rows(json.loads(results_path.read_text()), profile)
     p = LONG_PROFILES[profile]
+    factors = [round(run["lr"] / p.lr, 3) for run in trained[0][1]]  # ddp's lr sweep
     setup = setup_for(p, workers)
     fastest_s, median_s = calibrate_step_s(setup)
     step_s = step_ms / 1000 if step_ms else fastest_s
@@ -91,9 +95,9 @@ def run(*, source: Path, out: Path, up_mbps: tuple[float, ...] = (10.0, 100.0, 1
             "batch_per_worker": p.batch, "context": p.model.context, "step_s": round(step_s, 5),
             "step_s_measured": {"fastest": round(fastest_s, 5), "median": round(median_s, 5)},
             "step_s_from": "--step-ms" if step_ms else "fastest calibrated step",
-            "torch_threads": torch.get_num_threads(), "lr_factors": [1.0, 2.0],
-            "lr_note": "ddp at x1 and x2 of the profile's lr (the best kept), every other row at x1 (the long "
-                       "convergence profile's rows)",
+            "torch_threads": torch.get_num_threads(), "lr_factors": factors,
+            "lr_note": f"ddp at x{', x'.join(f'{f:g}' for f in factors)} of the profile's lr (the best kept), every "
+                       "other row at x1 unless its name says (the long convergence profile's rows)",
             "links": [ls[0].label() for ls in links], "datacenter_panel": DATACENTER.label(),
             "hetero_link_spread": hetero, "coordinator_mbps": coordinator_mbps, "command": command}
     results = summarise(trained, links=links, meta=meta)

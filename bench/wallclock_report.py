@@ -99,8 +99,9 @@ def write_markdown(results: dict, path: Path) -> None:
     lines = [f"# Wall-clock, profile `{m['profile']}`", "",
              f"`{m['command']}`", "",
              f"{m['workers']} workers, {m['n_params']:,} parameters, {m['tokens_per_row']:,} tokens per row, "
-             f"one worker step {m['step_s'] * 1000:.1f} ms (calibrated once, every row charged it; "
-             f"{m['torch_threads']} torch thread(s)); "
+             f"one worker step {m['step_s'] * 1000:.1f} ms ("
+             + ("given by --step-ms" if m.get("step_s_from", "").startswith("--step-ms") else "calibrated once")
+             + f", every row charged it; {m['torch_threads']} torch thread(s)); "
              + m.get("lr_note", f"lr sweep x{', x'.join(f'{f:g}' for f in m['lr_factors'])} of each row's tuned lr, "
                                 "the best kept")
              + f". Target losses: {t[0]} (one worker alone's final), "

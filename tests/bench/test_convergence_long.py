@@ -48,7 +48,12 @@ def test_rows_per_replica_count_and_algorithms_at_the_largest():
 def test_the_default_and_the_best_row_are_repeated_at_other_seeds():
     p = LONG_PROFILES["long"]
     seeded = [t for t in tasks_for("long") if t.seed]
-    assert sorted(t.seed for t in seeded) == sorted(long.SEEDS * 5 + long.MORE_SEEDS * 3)
+    # default, group-normalised, int1 tuned, ddp, alone at SEEDS; the last three at MORE_SEEDS; and the int1
+    # row at the first of the lower inner lrs at every seed
+    assert sorted(t.seed for t in seeded) == sorted(long.SEEDS * 6 + long.MORE_SEEDS * 4)
+    lower = [t for t in seeded if t.method.inner_lr_factor != 1.0]
+    assert {t.method.inner_lr_factor for t in lower} == {long.LOWER_INNER_LRS[0]}
+    assert len(lower) == len(long.SEEDS + long.MORE_SEEDS)
     assert all(t.method.name.endswith(f", seed {t.seed}") and t.replicas == 8 for t in seeded)
     assert sorted({t.method.kind for t in seeded}) == ["alone", "ddp", "diloco"]  # each seed with its baselines
     diloco = [t for t in seeded if t.method.kind == "diloco"]
@@ -66,6 +71,13 @@ def test_a_seed_changes_the_run(one_torch_thread):
     assert losses[0] == losses[1] != losses[2]  # the same seed trains the same, another seed otherwise
 
 
+def test_the_baselines_get_the_lower_inner_lr_too():
+    """No baseline tuned down: the rows at a lower inner lr have ddp and the lone worker at it beside them."""
+    tasks = [t for t in tasks_for("long") if not t.seed and t.replicas == 8]
+    for kind in ("ddp", "alone"):
+        assert {t.lr_factor for t in tasks if t.method.kind == kind} >= {1.0, long.LOWER_INNER_LRS[0]}
+
+
 def test_captured_gain_is_measured_against_the_best_ddp():
     rows = [{"replicas": 8, "method": "ddp", "kind": "ddp", "eval_loss": 2.0},
             {"replicas": 8, "method": "ddp, lr x2", "kind": "ddp", "eval_loss": 1.9},
@@ -76,6 +88,15 @@ def test_captured_gain_is_measured_against_the_best_ddp():
     assert rows[3]["captured_gain"] == pytest.approx(0.6)
     assert rows[3]["loss_ratio_vs_ddp"] == pytest.approx(2.06 / 1.9, abs=1e-4)
     assert rows[0]["captured_gain"] is None and rows[4]["captured_gain"] is None  # no alone at M=1
+
+
+def test_captured_gain_is_measured_from_the_best_lone_worker():
+    rows = [{"replicas": 8, "method": "ddp", "kind": "ddp", "eval_loss": 1.9},
+            {"replicas": 8, "method": "alone", "kind": "alone", "eval_loss": 2.3},
+            {"replicas": 8, "method": "alone, lr x0.7", "kind": "alone", "eval_loss": 2.25},
+            {"replicas": 8, "method": "d", "kind": "diloco", "eval_loss": 2.06}]
+    add_gains(rows)
+    assert rows[3]["captured_gain"] == pytest.approx((2.25 - 2.06) / (2.25 - 1.9), abs=1e-3)
 
 
 def test_a_seeds_rows_are_measured_against_that_seeds_baselines_when_it_has_them():
@@ -121,10 +142,11 @@ def test_a_resumed_run_keeps_the_listed_order_whichever_rows_it_trains(tiny_long
     out, rows = tiny_long
     (tmp_path / "results.json").write_text((out / "results.json").read_text())
     again = long.run(profile="long-tiny", out=tmp_path, jobs=1, keep=True, only=["outer lr 0.4"])
-    assert json.loads((tmp_path / "meta.json").read_text())["rows_trained_now"] == 1  # the one algorithm row
+    # the one algorithm row, and the baselines that come with the algorithms (ddp and alone at the lower lr)
+    assert json.loads((tmp_path / "meta.json").read_text())["rows_trained_now"] == 3
     keys = [long.key(r["replicas"], r["method"]) for r in again]
     listed = [long.key(t.replicas, t.method.name) for t in tasks_for("long-tiny")]
-    assert len(keys) == len(rows) + 1 and keys == [k for k in listed if k in keys]  # kept rows not moved last
+    assert len(keys) == len(rows) + 3 and keys == [k for k in listed if k in keys]  # kept rows not moved last
 
 
 def test_rows_kept_from_before_rows_carried_a_batch_count_at_the_profiles(tiny_long, tmp_path):

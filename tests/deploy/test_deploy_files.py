@@ -722,4 +722,8 @@ def test_run_long_is_the_long_run_configuration_the_benchmark_measured():
     assert cfg.compression == row.compression
     assert (cfg.update_values, cfg.update_feedback, row.down) == (row.update_values, True, "feedback")
     assert (cfg.outer.lr, cfg.outer.momentum) == (row.outer.lr, row.outer.momentum)
+    # the same model and batch as the example, at the inner lr factor the benchmark measured against plain AdamW's
+    example = build_run_config("example", str(DEPLOY / "run.example.toml"), {})
+    assert (cfg.model, cfg.inner.batch_size) == (example.model, example.inner.batch_size)
+    assert cfg.inner.lr == pytest.approx(example.inner.lr * row.inner_lr_factor) and row.inner_lr_factor < 1
     assert protocol.lease_api_version(cfg) == protocol.API_VERSION == 4
