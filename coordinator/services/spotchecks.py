@@ -146,11 +146,13 @@ class SpotCheckService:
         raw = zstandard.ZstdDecompressor().stream_reader(
             self.storage.read(self.storage.shard(row.run_id, row.shard_index))).read()
         tokens = tokens_from_bytes(raw, cfg.tokens.dtype)
-        sent = codec.decode(self.storage.read(copy_name(self.storage, row.run_id, row.lease_id, row.sha256)), schema=schema)
+        sent = codec.decode(self.storage.read(copy_name(self.storage, row.run_id, row.lease_id, row.sha256)),
+                            schema=schema)
         pg = replay.replay_round(cfg.model, cfg.inner, base, tokens, lr=row.lr, seed=row.seed,
                                  step_offset=0 if first else offset)
         values, ref = replay.on_support(sent, pg)
-        return replay.compare(values, ref, spotcheck.bounds(first_lease=first))
+        return replay.compare(values, ref, spotcheck.bounds(first_lease=first),
+                              rounded=replay.rounded_on_support(sent, pg))
 
     def _record(self, row, cfg: RunConfig, result: replay.Comparison | None, *, skipped: str | None) -> None:
         now = utcnow()

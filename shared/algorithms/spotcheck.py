@@ -23,6 +23,13 @@ verdict has two sets of bounds, `exact` and `carried` (SpotCheckBounds), measure
     carried (later rounds, AdamW state of earlier rounds): honest 0.80-0.99 (ratio 0.63-1.02);
         another shard's delta 0.62-0.99 overlaps: not caught there. Zeros (ratio 0), a random
         delta (~0), a sign-flipped one (-1) and one blown up 10x are caught in both.
+
+Those bounds are for values that keep a direction (fp32 to int4: cosine >= 0.997 with what they
+round). Coarser values keep less of it by themselves: int2 about 0.94, int1 about 0.8, and their
+norm as much (a least-squares magnitude). So `compare` is given the replay rounded by the delta's
+own value codecs (`rounded_on_support`), and scales the cosine bound and the norm-ratio bounds by
+what that rounding keeps of the replay: an honest int1 first round is held to 0.98 of int1's own
+cosine, and another shard's delta, rounded alike, still falls below it.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ import torch
 
 from shared.algorithms.inner import make_optimizer, pseudo_gradient, run_steps
 from shared.codec import Delta
+from shared.codec.values import VALUE_CODECS
 from shared.config import InnerConfig
 from shared.model import ModelConfig, build_model, get_params, set_params
 
@@ -95,9 +103,38 @@ def on_support(delta: Delta, replay: Mapping[str, torch.Tensor]) -> tuple[torch.
     return torch.cat(sent), torch.cat(ref)
 
 
-def compare(sent: torch.Tensor, replay: torch.Tensor, bounds: SpotCheckBounds) -> Comparison:
-    """The verdict on a sent delta (dense, flat) against the replay of its round (flat, same order)."""
+def rounded_on_support(delta: Delta, replay: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """The replay's values at the delta's elements (on_support's order), each entry rounded by its own
+    value codec: what the delta would carry had its round been the replay, with nothing carried."""
+    out = []
+    for e in delta.entries:
+        r = replay[e.name].reshape(-1)
+        if e.indices is not None:
+            r = r[torch.from_numpy(np.asarray(e.indices, dtype=np.int64))]
+        values = r.to(torch.float32).numpy()
+        codec = VALUE_CODECS[e.value_kind]
+        out.append(torch.from_numpy(codec.decode(memoryview(codec.encode(values)), values.size)[0]).to(torch.float64))
+    return torch.cat(out) if out else torch.zeros(0, dtype=torch.float64)
+
+
+def _scaled(bounds: SpotCheckBounds, replay: torch.Tensor, rounded: torch.Tensor) -> SpotCheckBounds:
+    """`bounds` times what rounding keeps of the replay: its cosine with the replay, its norm ratio."""
+    nr, nq = float(replay.norm()), float(rounded.norm())
+    if nr == 0 or nq == 0:
+        return bounds
+    keeps, ratio = float(rounded @ replay) / (nr * nq), nq / nr
+    return SpotCheckBounds(min_cosine=bounds.min_cosine * keeps if bounds.min_cosine > 0 else bounds.min_cosine,
+                           min_ratio=bounds.min_ratio * ratio, max_ratio=bounds.max_ratio * ratio)
+
+
+def compare(sent: torch.Tensor, replay: torch.Tensor, bounds: SpotCheckBounds, *,
+            rounded: torch.Tensor | None = None) -> Comparison:
+    """The verdict on a sent delta (dense, flat) against the replay of its round (flat, same order).
+    `rounded`: the replay rounded by the delta's value codecs (rounded_on_support); the bounds are then
+    scaled by what that rounding keeps of the replay (module docstring)."""
     sent, replay = sent.to(torch.float64), replay.to(torch.float64)
+    if rounded is not None:
+        bounds = _scaled(bounds, replay, rounded.to(torch.float64))
     ns, nr = float(sent.norm()), float(replay.norm())
     if not math.isfinite(ns):
         return Comparison(math.nan, math.nan, False, "the delta sent is not finite")
@@ -110,9 +147,9 @@ def compare(sent: torch.Tensor, replay: torch.Tensor, bounds: SpotCheckBounds) -
                                            "replay of the round moves the model")
     if cosine < bounds.min_cosine:
         return Comparison(cosine, ratio, False, f"its direction is not the replay's: cosine {cosine:.3f} with the "
-                                                f"coordinator's replay of the round (at least {bounds.min_cosine:g})")
+                                                f"coordinator's replay of the round (at least {bounds.min_cosine:.3g})")
     if not bounds.min_ratio <= ratio <= bounds.max_ratio:
         return Comparison(cosine, ratio, False, f"its size is not the replay's: norm {ratio:.3g}x the coordinator's "
-                                                f"replay of the round (within {bounds.min_ratio:g}-"
-                                                f"{bounds.max_ratio:g}x)")
+                                                f"replay of the round (within {bounds.min_ratio:.3g}-"
+                                                f"{bounds.max_ratio:.3g}x)")
     return Comparison(cosine, ratio, True, None)

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from shared import codec, protocol
-from shared.algorithms.spotcheck import CARRIED, EXACT, SpotCheckBounds, compare, on_support, replay_round
+from shared.algorithms.spotcheck import (CARRIED, EXACT, SpotCheckBounds, compare, on_support, replay_round,
+                                         rounded_on_support)
 from shared.config import CompressionConfig, InnerConfig
 from shared.model import ModelConfig, build_model, get_params
 from worker.fit import FitOptions
@@ -79,6 +80,36 @@ def test_an_honest_int4_or_bf16_round_passes_the_exact_bounds(base, replayed):
         result = verdict(body, replayed)
         assert result.passed, result
         assert result.cosine > 0.99 and 0.95 < result.norm_ratio < 1.05  # EXACT: 0.98, 0.8-1.25
+
+
+@pytest.mark.parametrize("values", ["int2", "int1"])
+def test_an_honest_int2_or_int1_first_round_is_held_to_its_own_rounding(base, replayed, values):
+    """int1 keeps 0.8-0.93 of a direction by itself (int2 0.987 here): against the raw replay an honest int1
+    first round fails EXACT; against what the same rounding keeps of the replay it passes, and another
+    shard's or seed's delta, rounded alike, still fails."""
+    def check(body: bytes):
+        delta = sent_delta(body)
+        return (compare(*on_support(delta, replayed), EXACT),
+                compare(*on_support(delta, replayed), EXACT, rounded=rounded_on_support(delta, replayed)))
+
+    raw, held = check(LocalTrainer(torch.device("cpu")).train_round(lease(seed=7, values=values), base, shard(0)).body)
+    if values == "int1":  # what the coordinator judged before: an honest round failed
+        assert not raw.passed and raw.cosine < EXACT.min_cosine, raw
+    assert held.passed, held
+    for other in (lease(seed=7, shard_id=3, values=values), lease(seed=8, values=values)):
+        body = LocalTrainer(torch.device("cpu")).train_round(other, base, shard(other.shard_id)).body
+        _, verdict_ = check(body)
+        assert not verdict_.passed and "direction" in verdict_.reason, verdict_
+
+
+def test_rounding_the_replay_by_fp32_or_int4_changes_next_to_nothing(base, replayed):
+    for values, keeps in (("fp32", 1.0), ("int4", 0.997)):
+        delta = sent_delta(LocalTrainer(torch.device("cpu")).train_round(lease(seed=7, values=values), base,
+                                                                          shard(0)).body)
+        sent, ref = on_support(delta, replayed)
+        rounded = rounded_on_support(delta, replayed)
+        assert float(rounded @ ref) / float(rounded.norm() * ref.norm()) >= keeps - 1e-9
+        assert compare(sent, ref, EXACT, rounded=rounded).passed
 
 
 def test_another_shard_or_seed_zeros_scaled_or_noisy_fail(base, replayed):
