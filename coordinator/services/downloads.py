@@ -166,13 +166,10 @@ class DownloadService:
     def _prune_copies(self, run_id: int) -> None:
         """The newest copies_keep copies stay, with the updates built from them; the rest go."""
         names = self.storage.list(self.storage.copies(run_id))
-        def digest(name: str) -> str:
-            return name.rsplit("/", 1)[-1].split(".", 1)[0]
-
         copies = sorted((n for n in names if n.endswith(".f32")), key=self.storage.modified_at)
-        kept = {digest(n) for n in copies[-self.copies_keep:]}
+        kept = {_copy_of(n) for n in copies[-self.copies_keep:]}
         for name in names:
-            if digest(name) not in kept:
+            if _copy_of(name) not in kept:
                 self.storage.delete(name)
 
     def build_update(self, run_id: int, config_json: str, from_version: int, to_version: int) -> bytes:
@@ -219,3 +216,8 @@ class DownloadService:
             return None, sha
         self.traffic.add(run.id, down_data=len(blob))
         return blob, sha
+
+
+def _copy_of(name: str) -> str:
+    """The copy a file of the copies folder belongs to: `<digest>.f32` or `<digest>.<to>.delta`."""
+    return name.rsplit("/", 1)[-1].split(".", 1)[0]
