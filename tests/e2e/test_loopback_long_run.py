@@ -1,7 +1,7 @@
 """deploy/run.long.toml end to end over real sockets on 127.0.0.1: its long-run configuration (AdamW
 normalised for 8 workers' combined batch, int1 both ways with updates from the worker's copy, rounds of
 19, outer lr 1.2 without momentum), with only the sizes made small (model, corpus, shards), trained by
-one `idletrain coordinator serve` (re-training every delivered lease's round, spot-check rate 1) and two
+one `idletrain coordinator serve` (re-training every delivered lease's round, spot-check rate 1) and four
 `idletrain worker run` processes. The benchmark that chose it (bench/sim.py) does not run the
 coordinator's screen: here every honest delta of it passes the screen and the spot checks, and the loss
 falls."""
@@ -18,8 +18,8 @@ from idletrain.cli.operator import build_run_config
 from tests import procs
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
-ROUNDS = 6  # per worker: 12 deltas, one outer group of 8 and part of the next
-WORKERS = 2
+ROUNDS = 4  # per worker: 16 deltas, two outer groups of 8
+WORKERS = 4  # robust.min_workers: the screens that judge a delta against the median norm are on
 
 
 @pytest.mark.slow
