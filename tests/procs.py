@@ -162,6 +162,20 @@ class Idletrain:
         assert self.started[0].poll() is None, tail(log)
         return final.json()["loss"], st
 
+    def spot_checks(self, client: httpx.Client, run: str, judged: int, timeout_s: float = 120) -> list[dict]:
+        """Each worker's spot checks by verdict, once `judged` of them are judged (the replays run in the
+        background, one round each; a pending check is not judged yet) or `timeout_s` has passed. The
+        coordinator (the first process) must still be running."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            checks = [w["spot_checks"] for w in client.get(f"/api/v1/runs/{run}/workers").json()]
+            done = sum(n for c in checks for state, n in c.items() if state != "pending")
+            if done == judged or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        assert self.started[0].poll() is None, tail(self.logs / "coordinator.log")
+        return checks
+
     def train(self, url: str, run: str, *, workers: int, rounds: int, timeout_s: float = 120,
               prefix: str = "") -> list[str]:
         """`worker run` processes w0..w{workers-1} (named PREFIXworker{i}, state in root/PREFIXworker{i})

@@ -26,10 +26,11 @@ verdict has two sets of bounds, `exact` and `carried` (SpotCheckBounds), measure
 
 Those bounds are for values that keep a direction (fp32 to int4: cosine >= 0.997 with what they
 round). Coarser values keep less of it by themselves: int1 0.8 on normal values (0.93 measured on
-the test model's first round), int2 0.94-0.99, and their norm as much (least-squares magnitudes). So `compare` is given the replay rounded by the delta's
-own value codecs (`rounded_on_support`), and scales the cosine bound and the norm-ratio bounds by
-what that rounding keeps of the replay: an honest int1 first round is held to 0.98 of int1's own
-cosine, and another shard's delta, rounded alike, still falls below it.
+the test model's first round), int2 0.94-0.99, and their norm as much (least-squares magnitudes).
+So `compare` is given the replay rounded by the delta's own value codecs (`rounded_on_support`),
+and scales the cosine bound and the norm-ratio bounds by what that rounding keeps of the replay:
+an honest int1 first round is held to 0.98 of int1's own cosine, and another shard's delta,
+rounded alike, still falls below it.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ import numpy as np
 import torch
 
 from shared.algorithms.inner import make_optimizer, pseudo_gradient, run_steps
-from shared.codec import Delta
+from shared.codec import Delta, Entry
 from shared.codec.values import VALUE_CODECS
 from shared.config import InnerConfig
 from shared.model import ModelConfig, build_model, get_params, set_params
@@ -89,15 +90,19 @@ def replay_round(model_cfg: ModelConfig, inner: InnerConfig, base: Mapping[str, 
     return pseudo_gradient(base, get_params(model))
 
 
+def _at(entry: Entry, replay: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """The replay's values at the elements a delta entry sends (flat)."""
+    r = replay[entry.name].reshape(-1)
+    return r if entry.indices is None else r[torch.from_numpy(np.asarray(entry.indices, dtype=np.int64))]
+
+
 def on_support(delta: Delta, replay: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """(the values the delta sent, the replay's values at the same elements), each one float64 vector:
     a sparse delta is compared where it sends, not against the zeros where it sends nothing."""
     sent, ref = [], []
     for e in delta.entries:
-        values = torch.from_numpy(np.asarray(e.values, dtype=np.float64))
-        r = replay[e.name].reshape(-1).to(torch.float64)
-        sent.append(values)
-        ref.append(r if e.indices is None else r[torch.from_numpy(np.asarray(e.indices, dtype=np.int64))])
+        sent.append(torch.from_numpy(np.asarray(e.values, dtype=np.float64)))
+        ref.append(_at(e, replay).to(torch.float64))
     if not sent:
         return torch.zeros(0, dtype=torch.float64), torch.zeros(0, dtype=torch.float64)
     return torch.cat(sent), torch.cat(ref)
@@ -108,10 +113,7 @@ def rounded_on_support(delta: Delta, replay: Mapping[str, torch.Tensor]) -> torc
     value codec: what the delta would carry had its round been the replay, with nothing carried."""
     out = []
     for e in delta.entries:
-        r = replay[e.name].reshape(-1)
-        if e.indices is not None:
-            r = r[torch.from_numpy(np.asarray(e.indices, dtype=np.int64))]
-        values = r.to(torch.float32).numpy()
+        values = _at(e, replay).to(torch.float32).numpy()
         codec = VALUE_CODECS[e.value_kind]
         out.append(torch.from_numpy(codec.decode(memoryview(codec.encode(values)), values.size)[0]).to(torch.float64))
     return torch.cat(out) if out else torch.zeros(0, dtype=torch.float64)

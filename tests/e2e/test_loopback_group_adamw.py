@@ -6,7 +6,6 @@ the coordinator's replays, made with the run's optimiser, pass every round."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import httpx
@@ -23,7 +22,6 @@ WORKERS = 2
 def test_two_workers_train_with_the_groups_second_moment_over_loopback(tmp_path: Path, corpus_dir: Path):
     lb = procs.Idletrain(tmp_path)
     data = tmp_path / "data"
-    coord_log = lb.logs / "coordinator.log"
     try:
         url = lb.serve(data, corpus_dir, IDLETRAIN_SPOT_CHECK_RATE="1")
         with httpx.Client(base_url=url, timeout=120, headers=procs.admin_headers(data)) as client:
@@ -37,23 +35,12 @@ def test_two_workers_train_with_the_groups_second_moment_over_loopback(tmp_path:
 
             lb.train(url, "group", workers=WORKERS, rounds=ROUNDS)
             acknowledged = WORKERS * ROUNDS
-            procs.wait_merged(client, "group", acknowledged, log=coord_log)
-            final = client.post("/api/v1/runs/group/evaluate")
-            assert final.status_code == 200, final.text
-            st = client.get("/api/v1/runs/group/status").json()
-            deadline = time.monotonic() + 120  # the replays run in the background, one round each
-            while True:
-                workers = client.get("/api/v1/runs/group/workers").json()
-                checks = [w["spot_checks"] for w in workers]
-                judged = sum(n for c in checks for state, n in c.items() if state != "pending")
-                if judged == acknowledged or time.monotonic() > deadline:  # a pending check is not judged yet
-                    break
-                time.sleep(0.5)
-            assert lb.started[0].poll() is None, procs.tail(coord_log)
+            final, st = lb.settle(client, "group", acknowledged)
+            checks = lb.spot_checks(client, "group", acknowledged)
     finally:
         lb.close()
 
-    procs.assert_trained(st, final.json()["loss"], acknowledged)
+    procs.assert_trained(st, final, acknowledged)
     assert checks == [{"passed": ROUNDS}] * WORKERS, checks
 
     for i in range(WORKERS):  # each worker's optimiser is the group's: its saved state holds the estimates

@@ -8,7 +8,6 @@ falls."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import httpx
@@ -40,13 +39,7 @@ def test_the_long_run_configuration_trains_over_loopback(tmp_path: Path, corpus_
             lb.train(url, "long", workers=WORKERS, rounds=ROUNDS, timeout_s=300)
             acknowledged = WORKERS * ROUNDS
             final, st = lb.settle(client, "long", acknowledged)
-            deadline = time.monotonic() + 120  # the replays run in the background, one round each
-            while True:
-                checks = [w["spot_checks"] for w in client.get("/api/v1/runs/long/workers").json()]
-                judged = sum(n for c in checks for state, n in c.items() if state != "pending")
-                if judged == acknowledged or time.monotonic() > deadline:
-                    break
-                time.sleep(0.5)
+            checks = lb.spot_checks(client, "long", acknowledged)
     finally:
         lb.close()
 
