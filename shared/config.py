@@ -218,6 +218,86 @@ class TokensConfig(_Strict):
                              "a vocab above 65,536")
 
 
+# -- the run's regime: which defaults its length calls for (docs/how-it-works.md, "Short and long runs").
+# Measured side by side (docs/BENCHMARKS.md, the long profile's lengths: 8 workers, 72k parameters, batches of
+# 4 x 64 tokens), the share of ddp's gain over one worker that the short-run / long-run defaults kept: 13% / 4%
+# at 400 local steps a worker, 10% / 19% at 600, 3% / 23% at 800, 19% / 65% at 6,400 (five seeds). The quick
+# profile's 160 steps: the short-run defaults win there too.
+LONG_RUN_STEPS = 600  # local steps a worker (schedule_tokens / (outer.group x batch_size x context)) from which
+LONG_RUN_LR_FACTOR = 0.7  # the group's AdamW steps up to sqrt(N) further than each worker's own: 0.7x its lr
+REGIMES = ("auto", "short", "long")
+# what the regime decides (section, field); in a long run: rounds of 19 (int1 both ways: ~520x less traffic
+# than ddp), AdamW normalised for the group at 0.7x the lr, model updates from the worker's copy, and plain
+# averaging at a gain of 1.2 (outer momentum hurts at int1)
+LONG_RUN = {("inner", "steps"): 19, ("inner", "lr"): None, ("inner", "second_moment_workers"): None,
+            ("compression", "values"): "int1", (None, "update_feedback"): True, (None, "update_values"): "int1",
+            ("outer", "lr"): 1.2, ("outer", "momentum"): 0.0}
+# a run that gives any of these has chosen for itself (an inner lr, which depends on the model, it may give and
+# still be left the regime's other fields: it is used as given)
+DECIDED = tuple(key for key in LONG_RUN if key != ("inner", "lr"))
+
+
+def planned_worker_steps(data: dict) -> float:
+    """Local steps each worker takes over the run's schedule_tokens, if outer.group workers train it."""
+    section = {k: _given(data, k) for k in ("inner", "outer")}
+    batch = section["inner"].get("batch_size", InnerConfig.model_fields["batch_size"].default)
+    group = section["outer"].get("group", OuterConfig.model_fields["group"].default)
+    model = data.get("model", {})
+    context = (ModelConfig.from_dict(model) if isinstance(model, dict) else model).context
+    return data["schedule_tokens"] / (group * batch * context)
+
+
+def choose_regime(data: dict) -> str:
+    """`regime` as asked; "auto": long for a diloco run that states its schedule_tokens, plans at least
+    LONG_RUN_STEPS local steps a worker and leaves every field the regime decides to it (but the inner lr)."""
+    asked = data.get("regime", "auto")
+    if asked not in REGIMES:
+        raise ValueError(f"regime must be one of {', '.join(REGIMES)}, got {asked!r}")
+    if asked == "long" and data.get("algorithm", "diloco") != "diloco":
+        raise ValueError(f"regime 'long' sets diloco's rounds; algorithm {data['algorithm']!r} has its own: leave "
+                         "regime out, or set it to short")
+    if asked != "auto":
+        return asked
+    if data.get("algorithm", "diloco") != "diloco" or "schedule_tokens" not in data:
+        return "short"
+    if any(field in (_given(data, section) if section else data) for section, field in DECIDED):
+        return "short"
+    try:
+        steps = planned_worker_steps(data)
+    except (TypeError, ValueError, ZeroDivisionError):  # a bad field: its own validation says what is wrong
+        return "short"
+    return "long" if steps >= LONG_RUN_STEPS else "short"
+
+
+def apply_regime(data: dict) -> dict:
+    """The run's fields with those its regime decides filled in where not given (`regime` itself removed)."""
+    long = choose_regime(data) == "long"
+    data = {k: v for k, v in data.items() if k != "regime"}
+    if not long:
+        return data
+    sections = {k: dict(_given(data, k)) for k in ("inner", "compression", "outer")}
+    fills = dict(LONG_RUN)
+    fills["inner", "lr"] = round(InnerConfig.model_fields["lr"].default * LONG_RUN_LR_FACTOR, 12)
+    fills["inner", "second_moment_workers"] = sections["outer"].get("group", OuterConfig.model_fields["group"].default)
+    c = sections["compression"]
+    if c.get("index", "dense") != "dense" or c.get("error_feedback", True) is not True:
+        del fills["compression", "values"]  # int1 is for dense values under error feedback
+    if data.get("update_feedback", True) is not True:
+        del fills[None, "update_values"]  # int1 updates need the worker's copy
+    for (section, field), value in fills.items():
+        target = data if section is None else sections[section]
+        target.setdefault(field, value)
+    return {**data, **{k: v for k, v in sections.items() if v}}
+
+
+def _given(data: dict, section: str) -> dict:
+    """The fields a section of the run's input gives (a dict as given, or a model's explicitly set fields)."""
+    value = data.get(section, {})
+    if isinstance(value, BaseModel):
+        return {k: getattr(value, k) for k in value.model_fields_set}
+    return value if isinstance(value, dict) else {}
+
+
 class RunConfig(_OmitsDefaults):
     OMITTED_AT_DEFAULT = ("update_feedback",)  # new in API version 4
 
@@ -271,6 +351,13 @@ class RunConfig(_OmitsDefaults):
         if self.epochs is None:
             return 1 if self.token_budget is None else None
         return self.epochs or None
+
+    # `regime` ("auto", "short" or "long") is read from the input and not kept: what it decides is filled into
+    # the fields it leaves out (apply_regime), and the config that results reads back the same with "auto"
+    @model_validator(mode="before")
+    @classmethod
+    def _regime(cls, data):
+        return apply_regime(data) if isinstance(data, dict) else data
 
     @field_validator("model", mode="before")
     @classmethod

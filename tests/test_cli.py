@@ -154,6 +154,34 @@ def test_run_create_posts_the_config_and_reports_refusals(monkeypatch, capsys):
     assert sent["json"]["inner"]["steps"] == 7 and sent["json"]["outer"]["group"] == 3
 
 
+@pytest.mark.parametrize("args, says, steps", [
+    (["--schedule-tokens", str(600 * 4 * 16 * 128)], "long-run defaults (600 local steps a worker planned", 19),
+    (["--schedule-tokens", str(599 * 4 * 16 * 128)], "short-run defaults: 599 local steps a worker planned", 100),
+    (["--schedule-tokens", str(10**9), "--regime", "short"], None, 100),
+    (["--regime", "long", "--steps", "30"], "long-run defaults (regime long): rounds of 30", 30),
+    (["--schedule-tokens", str(10**9), "--lr", "7e-4"], "at lr 0.0007 as given (the long-run configuration takes "
+                                                        "0.7x", 19),
+])
+def test_run_create_says_which_defaults_the_runs_length_gave_it(monkeypatch, capsys, args, says, steps):
+    sent = {}
+
+    def fake_post(url, json, headers, timeout):
+        sent.update(json=json)
+        return httpx.Response(201, json={"name": "r", "n_shards": 1, "n_params": 1})
+
+    monkeypatch.setattr(httpx, "post", fake_post)
+    assert cli.main(["run", "create", "r", "--coordinator", "http://127.0.0.1:9", "--admin-token", "s" * 16,
+                     *args]) == 0
+    err = capsys.readouterr().err
+    assert (says in err) if says else ("defaults" not in err)
+    assert sent["json"]["inner"]["steps"] == steps and "regime" not in sent["json"]
+
+
+def test_run_create_refuses_an_unknown_regime(capsys):
+    assert cli.main(["run", "create", "r", "--coordinator", "http://127.0.0.1:9", "--regime", "medium"]) == 2
+    assert "regime must be one of auto, short, long" in capsys.readouterr().err
+
+
 def test_build_run_config_merges_toml_and_flags(tmp_path):
     path = tmp_path / "run.toml"
     path.write_text(

@@ -18,7 +18,7 @@ from idletrain.cli.common import ADMIN_TOKEN_HELP, DATA_DIR_HELP, DEFAULT_COORDI
 from idletrain.cli.lifecycle import describe, token_count
 from shared import protocol
 from shared.algorithms.registry import NAMES
-from shared.config import RunConfig
+from shared.config import LONG_RUN_LR_FACTOR, LONG_RUN_STEPS, RunConfig, choose_regime, planned_worker_steps
 from shared.model import PRESETS
 
 # -- runs -------------------------------------------------------------------------------------
@@ -51,6 +51,9 @@ RUN_FLAGS = [  # (flag, dotted config key, type, help)
     ("--schedule-tokens", "schedule_tokens", int, "tokens over which the inner lr decays"),
     ("--seed", "seed", int, "model init and lease seeds"),
     ("--join-key", "join_key", str, "workers must present this key to register"),
+    ("--regime", "regime", str, "auto | short | long: the defaults of a short or a long run (auto: long for a "
+     f"diloco run whose --schedule-tokens plan at least {LONG_RUN_STEPS} local steps a worker and that sets none of "
+     "the fields the regime decides; docs/how-it-works.md)"),
     ("--steps", "inner.steps", int, "H: local steps per round"),
     ("--batch-size", "inner.batch_size", int, "sequences per local step"),
     ("--lr", "inner.lr", float, "peak inner learning rate"),
@@ -80,6 +83,11 @@ RUN_FLAGS = [  # (flag, dotted config key, type, help)
 
 
 def build_run_config(name: str, config_path: str | None, flags: dict) -> RunConfig:
+    return RunConfig.model_validate(run_data(name, config_path, flags))
+
+
+def run_data(name: str, config_path: str | None, flags: dict) -> dict:
+    """The run's fields as given: the TOML file's, then the flags' over them."""
     data: dict = {}
     if config_path:
         try:
@@ -92,13 +100,37 @@ def build_run_config(name: str, config_path: str | None, flags: dict) -> RunConf
         if value is not None:
             _set(data, key, value)
     data["name"] = name
-    return RunConfig.model_validate(data)
+    return data
+
+
+def regime_note(data: dict, cfg: RunConfig) -> str | None:
+    """Which defaults the run's regime gave it, and why (None: a run that did not leave them to it)."""
+    regime = choose_regime(data)
+    if regime == "long":
+        planned = (f"{planned_worker_steps(data):,.0f} local steps a worker planned (at least {LONG_RUN_STEPS})"
+                   if data.get("regime") != "long" else "regime long")
+        given = "inner" in data and "lr" in (data["inner"] if isinstance(data["inner"], dict) else {})
+        lr = (f"lr {cfg.inner.lr:g} as given (the long-run configuration takes {LONG_RUN_LR_FACTOR:g}x what plain "
+              "AdamW takes)" if given else f"lr {cfg.inner.lr:g}")
+        return (f"long-run defaults ({planned}): rounds of {cfg.inner.steps}, int1 both ways with updates from "
+                f"the worker's copy, AdamW normalised for {cfg.inner.second_moment_workers} workers at {lr}, outer "
+                f"lr {cfg.outer.lr:g} without momentum; regime = \"short\" keeps the short-run ones")
+    if data.get("regime", "auto") == "auto" and "schedule_tokens" in data and cfg.algorithm == "diloco":
+        try:
+            steps = planned_worker_steps(data)
+        except (TypeError, ValueError, ZeroDivisionError):
+            return None
+        if steps < LONG_RUN_STEPS:
+            return (f"short-run defaults: {steps:,.0f} local steps a worker planned, under the {LONG_RUN_STEPS} "
+                    "from which the long-run ones win")
+    return None
 
 
 def cmd_run_create(args: argparse.Namespace) -> int:
     flags = {key: getattr(args, flag.lstrip("-").replace("-", "_")) for flag, key, _, _ in RUN_FLAGS}
     try:
-        cfg = build_run_config(args.name, args.config, flags)
+        data = run_data(args.name, args.config, flags)
+        cfg = RunConfig.model_validate(data)
     except ValidationError as exc:
         return fail(f"bad run config: {describe_validation(exc)}")
     except ValueError as exc:
@@ -107,6 +139,9 @@ def cmd_run_create(args: argparse.Namespace) -> int:
     if rc:
         return rc
     print(json.dumps(created, indent=2))
+    note = regime_note(data, cfg)
+    if note:
+        print(note, file=sys.stderr)
     print(worker_needs(cfg), file=sys.stderr)
     return 0
 
