@@ -6,6 +6,9 @@ here when this folder is importable.
     convergence.py         `convergence`: DDP vs DiLoCo vs SPARTA vs compressed, same tokens
     convergence_long.py    `convergence --profile long`: replicas 1-8 at 100 rounds, captured gain, algorithms
     convergence_long_report.py  the long profile's results.md and loss.png (a panel per replica count)
+    regime.py              `regime`: the run length from which the long-run defaults win (the rule that
+                           chooses a run's regime, shared/config.py), short- vs long-run rows per length
+    regime_report.py       regime's results.md and gain.png
     sim.py                 the in-process simulator of N workers that convergence runs
     moments.py             the simulator's DES-LOC: AdamW states averaged across workers every few rounds
     averaging.py           `averaging`: where averaging AdamW workers loses against ddp, against oracles

@@ -45,6 +45,22 @@ def cmd_bench_convergence(args: argparse.Namespace) -> int:
     return 0 if rows else 1
 
 
+def cmd_bench_regime(args: argparse.Namespace) -> int:
+    if not _can_plot():
+        return fail("the benchmark plots with matplotlib: pip install -e '.[bench]' (in a source checkout)")
+    from bench.regime import PROFILES, run
+
+    if args.profile not in PROFILES:
+        return fail(f"unknown profile {args.profile!r}: pick one of {', '.join(sorted(PROFILES))}")
+    if args.jobs < 1:
+        return fail("--jobs must be at least 1")
+    out = Path(args.out or "bench-results/regime")
+    run(profile=args.profile, out=out, jobs=args.jobs, keep=args.keep)
+    print((out / "results.md").read_text())
+    print(f"wrote {out / 'results.json'}, {out / 'results.md'}, {out / 'gain.png'}")
+    return 0
+
+
 def _wallclock_reclock(args: argparse.Namespace, command: str) -> int:
     from bench.wallclock_reclock import run
 
@@ -259,6 +275,16 @@ def _convergence_parser(sub) -> None:
 
 
 def _averaging_parser(sub) -> None:
+    regime = sub.add_parser("regime", help="the run length from which the long-run defaults win: short-run "
+                                           "defaults vs the long-run configuration vs ddp and one worker, 8 workers, "
+                                           "runs of 400-3,200 local steps a worker (~7 min in 2 processes)")
+    regime.add_argument("--profile", default="default", help="default, or tiny (the tests')")
+    regime.add_argument("--out", default=None, help="output folder (default bench-results/regime)")
+    regime.add_argument("--jobs", type=int, default=2, help="rows trained at once, one process and one torch "
+                                                             "thread each")
+    regime.add_argument("--keep", action="store_true", help="keep the rows already in OUT/results.json (resume)")
+    regime.set_defaults(func=cmd_bench_regime)
+
     avg = sub.add_parser("averaging", help="where averaging AdamW workers loses against ddp: workers in "
                                              "lock-step against oracles only every-step communication could know")
     avg.add_argument("--profile", default="quick", help="quick (the H sweep, one seed: ~9 min on one core) or full "

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from bench.convergence_long import long_run_method
+from bench.convergence_long import long_run_method, regime_default
 from bench.sim import Method, Result, Setup, ddp_bytes_per_worker, run_method
 from shared.config import CompressionConfig, InnerConfig, OuterConfig, RunConfig
 from shared.data import load_corpus
@@ -77,6 +77,10 @@ def methods_for(p: Profile, *, workers: int, hetero: float = 1.0) -> list[Method
     default = Method(f"diloco H={p.H} {_label(defaults.compression)}, {defaults.update_values} down (default)",
                      "diloco", H=p.H, compression=defaults.compression, outer=outer,
                      update_values=defaults.update_values)
+    # the regime these profiles' lengths call for is the short one (shared/config.py choose_regime): the rows
+    # above are variations of its defaults
+    default = regime_default(p.model, batch=p.batch_size, workers=workers, steps_per_worker=p.steps_per_worker,
+                             short=default)
     short_h, long_h = p.H // 2, p.steps_per_worker // 2  # twice the rounds; two rounds in the whole run
     int8 = Method(f"diloco H={short_h} int8+EF, int8 down", "diloco", H=short_h, compression=dense8, outer=outer,
                   update_values="int8")

@@ -32,7 +32,7 @@ import torch
 
 from bench.moments import MomentSchedule
 from bench.sim import Method, Result, Setup, ddp_bytes_per_worker, run_method
-from shared.config import CompressionConfig, InnerConfig, RunConfig
+from shared.config import CompressionConfig, InnerConfig, RunConfig, choose_regime
 from shared.data import load_corpus
 from shared.model import ModelConfig, build_model, count_params
 
@@ -91,14 +91,16 @@ INT1_TUNED = ", outer lr 1.2, no momentum"  # what the int1 row at ~520x is run 
 LOWER_INNER_LRS = (0.7, 0.5)
 
 
-def long_run_method(default: Method, workers: int, H: int = 19) -> Method:
-    """The long-run configuration (docs/BENCHMARKS.md, deploy/run.long.toml) from the default row: AdamW
-    normalised for the workers' combined batch at 0.7x the inner lr, int1 both ways with downloads from the
-    worker's copy, rounds of `H` (19: about 520x less traffic than ddp), outer lr 1.2 without momentum."""
+def long_run_method(default: Method, workers: int, H: int = 19, name: str | None = None) -> Method:
+    """The long-run configuration (docs/BENCHMARKS.md, deploy/run.long.toml, shared/config.py LONG_RUN) from
+    the short-run defaults' row: AdamW normalised for the workers' combined batch at 0.7x the inner lr, int1
+    both ways with downloads from the worker's copy, rounds of `H` (19: about 520x less traffic than ddp),
+    outer lr 1.2 without momentum."""
     low = LOWER_INNER_LRS[0]
+    name = name or (f"long-run configuration: group-normalised AdamW, H={H}, {INT1_FEEDBACK}{INT1_TUNED}, "
+                    f"inner lr x{low:g}")
     return dataclasses.replace(
-        default, name=f"long-run configuration: group-normalised AdamW, H={H}, {INT1_FEEDBACK}{INT1_TUNED}, "
-                      f"inner lr x{low:g}", H=H, second_moment_workers=workers, inner_lr_factor=low,
+        default, name=name, H=H, second_moment_workers=workers, inner_lr_factor=low,
         outer=default.outer.model_copy(update={"lr": 1.2, "momentum": 0.0}), **INT1_BOTH_WAYS)
 
 
@@ -112,10 +114,29 @@ class Task:
     seed: int = 0  # the run's seed: the model's initial weights and every worker's batches
 
 
-def default_method(p: LongProfile, workers: int) -> Method:
-    d = RunConfig(name="defaults")
-    return Method(f"diloco H={p.H} int4+EF, int4 down (default)", "diloco", H=p.H, compression=d.compression,
+def short_run_method(p: LongProfile, workers: int, label: str = "short-run defaults") -> Method:
+    """The coordinator's defaults for a short run (regime "short"), with the profile's H."""
+    d = RunConfig(name="defaults", regime="short")
+    return Method(f"diloco H={p.H} int4+EF, int4 down ({label})", "diloco", H=p.H, compression=d.compression,
                   outer=d.outer.model_copy(update={"group": workers}), update_values=d.update_values)
+
+
+def default_method(p: LongProfile, workers: int) -> Method:
+    """What the coordinator runs when the run leaves its regime's fields out: the regime its length calls for
+    (shared/config.py choose_regime, here M workers of `worker_steps / M` steps each)."""
+    return regime_default(p.model, batch=p.batch, workers=workers, steps_per_worker=p.worker_steps // workers,
+                          short=short_run_method(p, workers, "default"))
+
+
+def regime_default(model: ModelConfig, *, batch: int, workers: int, steps_per_worker: int, short: Method) -> Method:
+    """`short` (the short-run defaults' row) where the run's length calls for the short regime, else the
+    long-run configuration, named as the default."""
+    regime = choose_regime({"name": "defaults", "schedule_tokens": steps_per_worker * workers * batch * model.context,
+                            "inner": {"batch_size": batch}, "outer": {"group": workers}, "model": model})
+    if regime == "short":
+        return short
+    return long_run_method(short, workers, name=f"diloco H=19 int1+EF both ways from the copy, group-normalised "
+                                                 f"AdamW, inner lr x{LOWER_INNER_LRS[0]:g}, outer lr 1.2 (default)")
 
 
 def shorter(p: LongProfile, factors: tuple[int, ...]) -> list[int]:
@@ -140,8 +161,8 @@ def int1_methods(p: LongProfile, grouped: Method, name: str) -> list[Method]:
 
 
 def algorithm_methods(p: LongProfile, workers: int) -> list[Method]:
-    """What the literature says captures more, each against the default at the same M and tokens."""
-    default = default_method(p, workers)
+    """What the literature says captures more, each against the short-run defaults at the same M and tokens."""
+    default = short_run_method(p, workers)
     outer = default.outer
     rows = [dataclasses.replace(default, name=f"Nesterov 0.9, outer lr {lr:g}",
                                 outer=outer.model_copy(update={"lr": lr, "momentum": 0.9})) for lr in (0.4, 0.7, 1.0)]
@@ -180,7 +201,7 @@ def probe_methods(p: LongProfile, workers: int, batch: int) -> list[Method]:
     at 2-bit values (more rounds for about the same bytes), averaging every step in fp32 (what
     averaging can capture at all) with each worker's AdamW and with the group-normalised one, and the
     default with the group-normalised AdamW."""
-    default = default_method(p, workers)
+    default = short_run_method(p, workers)
     rows = [dataclasses.replace(default, name="synchronous rounds", barrier=True)]
     if batch == min(p.probe_batches):
         outer = default.outer
@@ -232,7 +253,7 @@ def _probe_tasks(profile: str, p: LongProfile) -> list[Task]:
         tasks += [Task(profile, m, named(Method("ddp", "ddp")), batch=b),
                   Task(profile, m, named(Method("ddp, lr x2", "ddp")), lr_factor=2.0, batch=b),
                   Task(profile, m, named(Method(f"1 worker alone (1/{m} of the tokens)", "alone")), batch=b),
-                  Task(profile, m, named(default_method(p, m)), batch=b)]
+                  Task(profile, m, named(short_run_method(p, m)), batch=b)]
         tasks += [Task(profile, m, named(x), batch=b) for x in probe_methods(p, m, b)]
     return tasks
 
@@ -247,7 +268,10 @@ def tasks_for(profile: str, *, algorithms: bool = True) -> list[Task]:
         if m > 1:
             tasks.append(Task(profile, m, Method(f"1 worker alone (1/{m} of the tokens)", "alone")))
         tasks.append(Task(profile, m, default_method(p, m)))
+        if default_method(p, m).H != p.H:  # a long run: the short-run defaults beside the default
+            tasks.append(Task(profile, m, short_run_method(p, m)))
     top = max(p.replicas)
+    default = default_method(p, top)
     tasks.append(Task(profile, top, Method("ddp, lr x2", "ddp"), lr_factor=2.0))
     if algorithms:
         low = LOWER_INNER_LRS[0]  # ddp's lr sweep x{low} / x1 / x2, and the lone worker's x{low} / x1
@@ -257,14 +281,19 @@ def tasks_for(profile: str, *, algorithms: bool = True) -> list[Task]:
         methods = algorithm_methods(p, top)
         tasks += [Task(profile, top, m) for m in methods]
         tuned = next(m for m in methods if m.name.endswith(INT1_TUNED))
-        for f in LOWER_INNER_LRS:
-            tasks += [Task(profile, top, dataclasses.replace(
-                tuned, name=f"{tuned.name}, inner lr x{f:g}" + (f", seed {s}" if s else ""), inner_lr_factor=f),
-                seed=s) for s in ((0, *SEEDS, *MORE_SEEDS) if f == low else (0,))]
-        # one run of a row carries seed noise as large as most differences between rows: the default and
-        # the best rows again at other seeds (other initial weights and batches), with ddp and the lone worker
-        # at those seeds too, each seed's rows measured against its own
-        repeated = [default_method(p, top)] + [m for m in methods if m.second_moment_workers > 1 and m.H == p.H]
+        # the tuned int1 row at lower inner lrs; at {low}x it is the long-run configuration, which is the default
+        # where the profile's length calls for the long regime: then it is that row, at every seed
+        lowered = [dataclasses.replace(tuned, name=f"{tuned.name}, inner lr x{f:g}", inner_lr_factor=f)
+                   for f in LOWER_INNER_LRS]
+        if default.inner_lr_factor == low:
+            lowered[0] = default
+        tasks += [Task(profile, top, m) for m in lowered if m is not default]
+        tasks += [Task(profile, top, dataclasses.replace(lowered[0], name=f"{lowered[0].name}, seed {s}"), seed=s)
+                  for s in (*SEEDS, *MORE_SEEDS)]
+        # one run of a row carries seed noise as large as most differences between rows: the short-run defaults
+        # and the best rows again at other seeds (other initial weights and batches), with ddp and the lone
+        # worker at those seeds too, each seed's rows measured against its own
+        repeated = [short_run_method(p, top)] + [m for m in methods if m.second_moment_workers > 1 and m.H == p.H]
         repeated += [m for m in methods if m.name.endswith(INT1_TUNED)]  # the best row at >= 500x
         repeated += [Method("ddp", "ddp"), Method(f"1 worker alone (1/{top} of the tokens)", "alone")]
         tasks += [Task(profile, top, dataclasses.replace(m, name=f"{m.name}, seed {s}"), seed=s)

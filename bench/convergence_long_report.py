@@ -5,6 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 
+DEFAULT_ROWS = ("(default)", "(short-run defaults)")  # the rows of each replica count's panel beside ddp and alone
+
+
 def _fmt(value, spec: str, none: str = "-") -> str:
     return none if value is None else format(value, spec)
 
@@ -21,9 +24,10 @@ def write_markdown(rows: list[dict], meta: dict, path: Path) -> None:
     lines = [f"# Convergence, profile `{meta['profile']}`", "",
              (f"{meta['n_params']:,} parameters; every row trains {meta['tokens_per_row']:,} tokens "
              f"({meta['tokens_per_param']:g} per parameter): {meta['worker_steps']:,} local steps of "
-             f"{meta['batch_per_worker']} x {meta['context']} tokens, split over the row's M workers; the default's "
-             f"H = {meta['H']} gives {meta['rounds_per_worker_at_max_replicas']} rounds per worker at "
-             f"M = {max(meta['replicas'])}. Captured gain = (alone - row) / (alone - best ddp) at the same M; "
+             f"{meta['batch_per_worker']} x {meta['context']} tokens, split over the row's M workers; the short-run "
+             f"defaults' H = {meta['H']} gives {meta['rounds_per_worker_at_max_replicas']} rounds per worker at "
+             f"M = {max(meta['replicas'])}; the default is the regime the run's length calls for (shared/config.py "
+             "choose_regime). Captured gain = (alone - row) / (alone - best ddp) at the same M; "
              "traffic reduction = ddp's bytes per worker (dense fp32 gradients up and down every step) / the row's."),
              *_probe_note(meta),
              "", ("| M | method | eval loss | x best ddp | captured gain | up / worker | down / worker | "
@@ -49,7 +53,7 @@ def plot(rows: list[dict], path: Path, *, title: str) -> None:
     top = max(counts)
     base_kinds = {"ddp", "alone"}
     panels = [(f"M = {m}", [r for r in rows if r["replicas"] == m and not r.get("seed") and (
-        r["kind"] in base_kinds or r["method"].endswith("(default)"))]) for m in counts]
+        r["kind"] in base_kinds or r["method"].endswith(DEFAULT_ROWS))]) for m in counts]
     batches = sorted({r["batch"] for r in rows if r.get("batch")})
     if len(batches) > 1:  # a probe: one panel per batch, every row
         panels = [(f"M = {top}, B = {b}", [r for r in rows if r.get("batch") == b]) for b in batches]

@@ -25,12 +25,19 @@ def test_the_long_profile_is_the_regime_the_issue_names():
 def test_rows_per_replica_count_and_algorithms_at_the_largest():
     tasks = tasks_for("long")
     by_m = {m: [t.method.kind for t in tasks if t.replicas == m] for m in (1, 2, 4, 8)}
-    assert by_m[1] == ["ddp", "diloco"]  # one replica: alone is ddp
-    assert by_m[2] == by_m[4] == ["ddp", "alone", "diloco"]
+    # one replica: alone is ddp; each M's default is the long-run regime (the profile's length calls for it), with
+    # the short-run defaults beside it
+    assert by_m[1] == ["ddp", "diloco", "diloco"]
+    assert by_m[2] == by_m[4] == ["ddp", "alone", "diloco", "diloco"]
+    p = LONG_PROFILES["long"]
+    for m in (1, 2, 4, 8):
+        default, short = [t.method for t in tasks if t.replicas == m and t.method.kind == "diloco"][:2]
+        assert default.name.endswith("(default)") and short.name.endswith("(short-run defaults)")
+        assert (default.H, default.second_moment_workers, default.compression.values) == (19, m, "int1")
+        assert (short.H, short.second_moment_workers, short.compression.values) == (p.H, 1, "int4")
     names = [t.method.name for t in tasks if t.replicas == 8]
     assert any("DES-LOC" in n for n in names) and any("dynamic H" in n for n in names)
     assert sum("Nesterov 0.9" in n for n in names) >= 3
-    p = LONG_PROFILES["long"]
     assert all(m.outer.group == 8 for m in algorithm_methods(p, 8))
     grouped = [m for m in algorithm_methods(p, 8) if m.second_moment_workers > 1]
     assert {m.second_moment_workers for m in grouped} == {8}
