@@ -5,7 +5,8 @@ here when this folder is importable.
     __main__.py            the command line: one subcommand per benchmark, its options checked
     convergence.py         `convergence`: DDP vs DiLoCo vs SPARTA vs compressed, same tokens
     convergence_long.py    `convergence --profile long`: replicas 1-8 at 100 rounds, captured gain, algorithms
-    convergence_long_report.py  the long profile's results.md and loss.png (a panel per replica count)
+    convergence_long_report.py  the long profile's captured gains, results.md and loss.png (a panel per
+                           replica count)
     regime.py              `regime`: the run length from which the long-run defaults win (the rule that
                            chooses a run's regime, shared/config.py), short- vs long-run rows per length
     regime_report.py       regime's results.md and gain.png
@@ -26,6 +27,7 @@ here when this folder is importable.
     models.py              `models`: bytes vs BPE, GPT vs Llama-style, the same training bytes, bits per byte
     wallclock.py           `wallclock`: loss against simulated wall-clock over home links, ddp (fp32, int8,
                            PowerSGD) vs one worker alone vs the default vs the best compressed rows; the run
+    wallclock_cli.py       wallclock's command line: options checked, the run, the long profile, --reclock
     wallclock_ddp.py       wallclock's ddp with compressed gradients (int8 or PowerSGD, error feedback)
     wallclock_clock.py     wallclock's clock: a run's loss-against-tokens curve put on simulated seconds
     wallclock_long.py      `wallclock --profile long`: the long convergence profile's curves on the clocks

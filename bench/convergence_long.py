@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from bench.convergence_long_report import add_gains, plot, write_markdown
 from bench.moments import MomentSchedule
 from bench.sim import Method, Result, Setup, ddp_bytes_per_worker, run_method
 from shared.config import CompressionConfig, InnerConfig, RunConfig, choose_regime
@@ -346,31 +347,10 @@ def row_for(task: Task, r: Result, *, dense_bytes: float) -> dict:
             "curve": [[int(t), round(loss, 4)] for t, loss in r.curve]}
 
 
-def add_gains(rows: list[dict]) -> None:
-    """Per replica count, per-worker batch and seed: each row's loss over ddp's and its captured gain
-    (alone - row) / (alone - ddp), ddp and alone each the best of its lrs (no baseline tuned down). A seed
-    without its own ddp and lone worker is measured against seed 0's."""
-    for m, b, seed in {(r["replicas"], r.get("batch"), r.get("seed", 0)) for r in rows}:
-        group = [r for r in rows if r["replicas"] == m and r.get("batch") == b and r.get("seed", 0) == seed]
-        bases = [r for r in rows if r["replicas"] == m and r.get("batch") == b and r["kind"] in ("ddp", "alone")]
-        if not any(r.get("seed", 0) == seed for r in bases):
-            seed = 0
-        bases = [r for r in bases if r.get("seed", 0) == seed]
-        ddp = min((r for r in bases if r["kind"] == "ddp"), key=lambda r: r["eval_loss"], default=None)
-        alone = min((r for r in bases if r["kind"] == "alone"), key=lambda r: r["eval_loss"], default=None)
-        for r in group:
-            r["loss_ratio_vs_ddp"] = round(r["eval_loss"] / ddp["eval_loss"], 4) if ddp else None
-            gap = alone["eval_loss"] - ddp["eval_loss"] if ddp and alone else 0.0
-            r["captured_gain"] = (round((alone["eval_loss"] - r["eval_loss"]) / gap, 3)
-                                  if gap > 0 and r["kind"] not in ("ddp", "alone") else None)
-
-
 def run(*, profile: str = "long", out: Path = Path("bench-results/convergence-long"), jobs: int = 2,
         keep: bool = False, only: list[str] | None = None, algorithms: bool = True) -> list[dict]:
     """Train every task (or those whose name contains one of `only`), reusing rows already in
     out/results.json when `keep`; write results.json, results.md and loss.png."""
-    from bench.convergence_long_report import plot, write_markdown
-
     if profile not in LONG_PROFILES:
         raise ValueError(f"unknown profile {profile!r}: pick one of {sorted(LONG_PROFILES)}")
     p = LONG_PROFILES[profile]

@@ -1,4 +1,4 @@
-"""The long convergence profile's results.md and loss.png (bench/convergence_long.py)."""
+"""The long convergence profile's captured gains, results.md and loss.png (bench/convergence_long.py)."""
 
 from __future__ import annotations
 
@@ -18,6 +18,25 @@ def _probe_note(meta: dict) -> list[str]:
     batches = ", ".join(map(str, meta["probe_batches"]))
     return ["", (f"A probe: each row's B is its sequences per worker step ({batches}); a row at B trains "
                 f"B / {meta['batch_per_worker']} times the tokens above, and is compared with ddp and alone at its B.")]
+
+
+def add_gains(rows: list[dict]) -> None:
+    """Per replica count, per-worker batch and seed: each row's loss over ddp's and its captured gain
+    (alone - row) / (alone - ddp), ddp and alone each the best of its lrs (no baseline tuned down). A seed
+    without its own ddp and lone worker is measured against seed 0's."""
+    for m, b, seed in {(r["replicas"], r.get("batch"), r.get("seed", 0)) for r in rows}:
+        group = [r for r in rows if r["replicas"] == m and r.get("batch") == b and r.get("seed", 0) == seed]
+        bases = [r for r in rows if r["replicas"] == m and r.get("batch") == b and r["kind"] in ("ddp", "alone")]
+        if not any(r.get("seed", 0) == seed for r in bases):
+            seed = 0
+        bases = [r for r in bases if r.get("seed", 0) == seed]
+        ddp = min((r for r in bases if r["kind"] == "ddp"), key=lambda r: r["eval_loss"], default=None)
+        alone = min((r for r in bases if r["kind"] == "alone"), key=lambda r: r["eval_loss"], default=None)
+        for r in group:
+            r["loss_ratio_vs_ddp"] = round(r["eval_loss"] / ddp["eval_loss"], 4) if ddp else None
+            gap = alone["eval_loss"] - ddp["eval_loss"] if ddp and alone else 0.0
+            r["captured_gain"] = (round((alone["eval_loss"] - r["eval_loss"]) / gap, 3)
+                                  if gap > 0 and r["kind"] not in ("ddp", "alone") else None)
 
 
 def write_markdown(rows: list[dict], meta: dict, path: Path) -> None:
