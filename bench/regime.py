@@ -42,7 +42,8 @@ class RegimeProfile:
 
 
 PROFILES = {
-    # ~13 CPU-minutes in all: 2 x (400 + 600 + 800) + 1,600 + 3,200 steps a worker, four rows each
+    # ~25 CPU-minutes in all (12 minutes in 2 processes on an idle machine): 2 x (400 + 600 + 800) + 1,600 +
+    # 3,200 steps a worker, four rows each
     "default": RegimeProfile("long", (400, 600, 800, 1600, 3200), {400: (0, 1), 600: (0, 1), 800: (0, 1)}),
     "tiny": RegimeProfile("long-tiny", (12,), {}),  # the tests'
 }

@@ -219,10 +219,10 @@ class TokensConfig(_Strict):
 
 
 # -- the run's regime: which defaults its length calls for (docs/how-it-works.md, "Short and long runs").
-# Measured side by side (docs/BENCHMARKS.md, the long profile's lengths: 8 workers, 72k parameters, batches of
-# 4 x 64 tokens), the share of ddp's gain over one worker that the short-run / long-run defaults kept: 13% / 4%
-# at 400 local steps a worker, 10% / 19% at 600, 3% / 23% at 800, 19% / 65% at 6,400 (five seeds). The quick
-# profile's 160 steps: the short-run defaults win there too.
+# Measured side by side (`python -m bench regime`, docs/BENCHMARKS.md: 8 workers of 72k parameters, batches of
+# 4 x 64 tokens), the share of ddp's gain over one worker that the short-run / long-run defaults kept: 14% / 11%
+# at 400 local steps a worker, 9% / 23% at 600, 4% / 28% at 800 (two seeds each), 6% / 42% at 1,600, 11% / 47%
+# at 3,200, and 19% / 65% at the long profile's 6,400. The quick, full and gpu profiles (160-400 steps) are short.
 LONG_RUN_STEPS = 600  # local steps a worker (schedule_tokens / (outer.group x batch_size x context)) from which
 LONG_RUN_LR_FACTOR = 0.7  # the group's AdamW steps up to sqrt(N) further than each worker's own: 0.7x its lr
 REGIMES = ("auto", "short", "long")
