@@ -223,7 +223,7 @@ class TokensConfig(_Strict):
 # 4 x 64 tokens), the share of ddp's gain over one worker that the short-run / long-run defaults kept: 14% / 11%
 # at 400 local steps a worker, 9% / 23% at 600, 4% / 28% at 800 (two seeds each), 6% / 42% at 1,600, 11% / 47%
 # at 3,200, and 19% / 65% at the long profile's 6,400. The quick, full and gpu profiles (160-400 steps) are short.
-LONG_RUN_STEPS = 600  # local steps a worker (schedule_tokens / (outer.group x batch_size x context)) from which
+LONG_RUN_STEPS = 600  # a run planning this many local steps a worker (schedule_tokens / (group x batch x context))
 LONG_RUN_LR_FACTOR = 0.7  # the group's AdamW steps up to sqrt(N) further than each worker's own: 0.7x its lr
 REGIMES = ("auto", "short", "long")
 # what the regime decides (section, field); in a long run: rounds of 19 (int1 both ways: ~520x less traffic
@@ -273,21 +273,26 @@ def apply_regime(data: dict) -> dict:
     """The run's fields with those its regime decides filled in where not given (`regime` itself removed)."""
     long = choose_regime(data) == "long"
     data = {k: v for k, v in data.items() if k != "regime"}
-    if not long:
-        return data
+    if not long or any(not isinstance(data.get(k, {}), (dict, BaseModel)) for k in ("inner", "compression", "outer")):
+        return data  # a section that is no section: its own validation says what is wrong
     sections = {k: dict(_given(data, k)) for k in ("inner", "compression", "outer")}
     fills = dict(LONG_RUN)
     fills["inner", "lr"] = round(InnerConfig.model_fields["lr"].default * LONG_RUN_LR_FACTOR, 12)
     fills["inner", "second_moment_workers"] = sections["outer"].get("group", OuterConfig.model_fields["group"].default)
     c = sections["compression"]
-    if c.get("index", "dense") != "dense" or c.get("error_feedback", True) is not True:
+    if c.get("index", "dense") != "dense" or _false(c.get("error_feedback", True)):
         del fills["compression", "values"]  # int1 is for dense values under error feedback
-    if data.get("update_feedback", True) is not True:
+    if _false(data.get("update_feedback", True)):
         del fills[None, "update_values"]  # int1 updates need the worker's copy
     for (section, field), value in fills.items():
         target = data if section is None else sections[section]
         target.setdefault(field, value)
     return {**data, **{k: v for k, v in sections.items() if v}}
+
+
+def _false(value) -> bool:
+    """Whether a bool field given as `value` reads false (pydantic also takes "false", "0", "no", "off" ...)."""
+    return value is False or str(value).strip().lower() in ("false", "f", "0", "no", "n", "off")
 
 
 def _given(data: dict, section: str) -> dict:

@@ -65,8 +65,11 @@ def test_regime_long_fills_only_what_is_not_given():
     # int1 is for dense values under error feedback, int1 updates for the worker's copy: given otherwise, kept
     topk = RunConfig.model_validate({"name": "t", "regime": "long", "compression": {"index": "topk"}})
     assert topk.compression == CompressionConfig(index="topk") and topk.update_values == "int1"
-    plain = RunConfig.model_validate({"name": "t", "regime": "long", "update_feedback": False})
-    assert (plain.update_values, plain.update_feedback, plain.compression.values) == ("int4", False, "int1")
+    for off in (False, "false"):  # as TOML and JSON give it, and as the CLI's --update-feedback passes it
+        plain = RunConfig.model_validate({"name": "t", "regime": "long", "update_feedback": off})
+        assert (plain.update_values, plain.update_feedback, plain.compression.values) == ("int4", False, "int1")
+    on = RunConfig.model_validate({"name": "t", "regime": "long", "update_feedback": "true"})
+    assert (on.update_values, on.update_feedback) == ("int1", True)
 
 
 def test_regime_short_keeps_the_short_run_defaults_in_a_long_run():
@@ -91,6 +94,8 @@ def test_the_resolved_config_reads_back_the_same(data):
     ({"schedule_tokens": "many"}, "schedule_tokens"),  # a bad field is its own validation's to report
     ({"schedule_tokens": LONG, "model": {"context": 0}}, "context must be a positive integer"),
     ({"schedule_tokens": LONG, "outer": {"group": 0}}, "group"),
+    ({"regime": "long", "inner": 5}, "inner"),  # not filled over: refused as it stands
+    ({"regime": "long", "compression": "int1"}, "compression"),
 ])
 def test_bad_input_says_what_is_wrong(data, says):
     with pytest.raises(ValidationError, match=says):
