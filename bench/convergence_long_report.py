@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 
 
@@ -77,10 +78,14 @@ def plot(rows: list[dict], path: Path, *, title: str) -> None:
     if len(batches) > 1:  # a probe: one panel per batch, every row
         panels = [(f"M = {top}, B = {b}", [r for r in rows if r.get("batch") == b]) for b in batches]
     else:
-        panels.append((f"M = {top}: algorithms against the default (seed 0)",
+        panels.append((f"M = {top}: the algorithms and the default (seed 0)",
                        [r for r in rows if r["replicas"] == top and r["kind"] != "alone" and not r.get("seed")]))
-    most = max(len(group) for _, group in panels)
-    # the legends go under the panels (one line a row), so that a panel of twenty curves stays readable
+    # the legends go under the panels, each name wrapped to the panel's width, so that a panel of twenty curves
+    # stays readable and no legend runs into its neighbour's
+    def label(r: dict) -> str:
+        return textwrap.fill(r["method"], 70)
+
+    most = max(sum(label(r).count("\n") + 1 for r in group) for _, group in panels)
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 4.4 + 0.12 * most), sharey=True)
     lows = [loss for r in rows for _, loss in r["curve"]]
     finals = [r["curve"][-1][1] for r in rows]
@@ -89,7 +94,7 @@ def plot(rows: list[dict], path: Path, *, title: str) -> None:
     for ax, (name, group) in zip(axes, panels):
         for i, r in enumerate(group):
             t, loss = zip(*r["curve"])
-            ax.plot([x / 1e6 for x in t], loss, linewidth=1.2, label=r["method"], color=colours[i % len(colours)],
+            ax.plot([x / 1e6 for x in t], loss, linewidth=1.2, label=label(r), color=colours[i % len(colours)],
                     linestyle=("-", "--")[i // len(colours) % 2])
         ax.set_title(name, fontsize=9)
         ax.set_xlabel("tokens trained (millions)")
