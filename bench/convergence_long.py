@@ -268,8 +268,9 @@ def tasks_for(profile: str, *, algorithms: bool = True) -> list[Task]:
         tasks.append(Task(profile, m, Method("ddp", "ddp")))
         if m > 1:
             tasks.append(Task(profile, m, Method(f"1 worker alone (1/{m} of the tokens)", "alone")))
-        tasks.append(Task(profile, m, default_method(p, m)))
-        if default_method(p, m).H != p.H:  # a long run: the short-run defaults beside the default
+        default = default_method(p, m)
+        tasks.append(Task(profile, m, default))
+        if default.H != p.H:  # a long run: the short-run defaults beside the default
             tasks.append(Task(profile, m, short_run_method(p, m)))
     top = max(p.replicas)
     default = default_method(p, top)
