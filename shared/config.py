@@ -237,14 +237,18 @@ LONG_RUN = {("inner", "steps"): 19, ("inner", "lr"): None, ("inner", "second_mom
 DECIDED = tuple(key for key in LONG_RUN if key != ("inner", "lr"))
 
 
-def planned_worker_steps(data: dict) -> float:
-    """Local steps each worker takes over the run's schedule_tokens, if outer.group workers train it."""
+def planned_worker_steps(data: dict) -> float | None:
+    """Local steps each worker takes over the run's schedule_tokens, if outer.group workers train it (None:
+    a field it takes is bad, and its own validation says what is wrong)."""
     section = {k: _given(data, k) for k in ("inner", "outer")}
     batch = section["inner"].get("batch_size", InnerConfig.model_fields["batch_size"].default)
     group = section["outer"].get("group", OuterConfig.model_fields["group"].default)
     model = data.get("model", {})
-    context = (ModelConfig.from_dict(model) if isinstance(model, dict) else model).context
-    return data["schedule_tokens"] / (group * batch * context)
+    try:
+        context = (ModelConfig.from_dict(model) if isinstance(model, dict) else model).context
+        return data["schedule_tokens"] / (group * batch * context)
+    except (TypeError, ValueError, ZeroDivisionError, AttributeError):
+        return None
 
 
 def choose_regime(data: dict) -> str:
@@ -262,11 +266,8 @@ def choose_regime(data: dict) -> str:
         return "short"
     if any(field in (_given(data, section) if section else data) for section, field in DECIDED):
         return "short"
-    try:
-        steps = planned_worker_steps(data)
-    except (TypeError, ValueError, ZeroDivisionError):  # a bad field: its own validation says what is wrong
-        return "short"
-    return "long" if steps >= LONG_RUN_STEPS else "short"
+    steps = planned_worker_steps(data)
+    return "long" if steps is not None and steps >= LONG_RUN_STEPS else "short"
 
 
 def apply_regime(data: dict) -> dict:

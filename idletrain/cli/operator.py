@@ -115,11 +115,8 @@ def regime_note(data: dict, cfg: RunConfig) -> str | None:
         return (f"long-run defaults ({planned}): rounds of {cfg.inner.steps}, int1 both ways with updates from "
                 f"the worker's copy, AdamW normalised for {cfg.inner.second_moment_workers} workers at {lr}, outer "
                 f"lr {cfg.outer.lr:g} without momentum; regime = \"short\" keeps the short-run ones")
-    if data.get("regime", "auto") == "auto" and "schedule_tokens" in data and cfg.algorithm == "diloco":
-        try:
-            steps = planned_worker_steps(data)
-        except (TypeError, ValueError, ZeroDivisionError):
-            return None
+    steps = planned_worker_steps(data) if "schedule_tokens" in data else None
+    if data.get("regime", "auto") == "auto" and cfg.algorithm == "diloco" and steps is not None:
         if steps < LONG_RUN_STEPS:
             return (f"short-run defaults: {steps:,.0f} local steps a worker planned, under the {LONG_RUN_STEPS} "
                     "from which the long-run ones win")
