@@ -33,7 +33,7 @@ import torch
 from bench.convergence_long_report import add_gains, plot, write_markdown
 from bench.moments import MomentSchedule
 from bench.sim import Method, Result, Setup, ddp_bytes_per_worker, run_method
-from shared.config import CompressionConfig, InnerConfig, RunConfig, choose_regime
+from shared.config import LONG_RUN, LONG_RUN_LR_FACTOR, CompressionConfig, InnerConfig, RunConfig, choose_regime
 from shared.data import load_corpus
 from shared.model import ModelConfig, build_model, count_params
 
@@ -92,17 +92,17 @@ INT1_TUNED = ", outer lr 1.2, no momentum"  # what the int1 row at ~520x is run 
 LOWER_INNER_LRS = (0.7, 0.5)
 
 
-def long_run_method(default: Method, workers: int, H: int = 19, name: str | None = None) -> Method:
-    """The long-run configuration (docs/BENCHMARKS.md, deploy/run.long.toml, shared/config.py LONG_RUN) from
-    the short-run defaults' row: AdamW normalised for the workers' combined batch at 0.7x the inner lr, int1
-    both ways with downloads from the worker's copy, rounds of `H` (19: about 520x less traffic than ddp),
-    outer lr 1.2 without momentum."""
-    low = LOWER_INNER_LRS[0]
+def long_run_method(default: Method, workers: int, name: str | None = None) -> Method:
+    """The long-run configuration (shared/config.py LONG_RUN: what a long run gets by default, and what
+    deploy/run.long.toml spells out) from the short-run defaults' row: AdamW normalised for the workers' combined
+    batch at 0.7x the inner lr, int1 both ways with downloads from the worker's copy, rounds of 19 (about 520x
+    less traffic than ddp), outer lr 1.2 without momentum."""
+    H, low = LONG_RUN["inner", "steps"], LONG_RUN_LR_FACTOR
+    outer = {"lr": LONG_RUN["outer", "lr"], "momentum": LONG_RUN["outer", "momentum"]}
     name = name or (f"long-run configuration: group-normalised AdamW, H={H}, {INT1_FEEDBACK}{INT1_TUNED}, "
                     f"inner lr x{low:g}")
-    return dataclasses.replace(
-        default, name=name, H=H, second_moment_workers=workers, inner_lr_factor=low,
-        outer=default.outer.model_copy(update={"lr": 1.2, "momentum": 0.0}), **INT1_BOTH_WAYS)
+    return dataclasses.replace(default, name=name, H=H, second_moment_workers=workers, inner_lr_factor=low,
+                               outer=default.outer.model_copy(update=outer), **INT1_BOTH_WAYS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,8 +136,9 @@ def regime_default(model: ModelConfig, *, batch: int, workers: int, steps_per_wo
                             "inner": {"batch_size": batch}, "outer": {"group": workers}, "model": model})
     if regime == "short":
         return short
-    return long_run_method(short, workers, name=f"diloco H=19 int1+EF both ways from the copy, group-normalised "
-                                                 f"AdamW, inner lr x{LOWER_INNER_LRS[0]:g}, outer lr 1.2 (default)")
+    m = long_run_method(short, workers)
+    return dataclasses.replace(m, name=f"diloco H={m.H} int1+EF both ways from the copy, group-normalised AdamW, "
+                                       f"inner lr x{m.inner_lr_factor:g}, outer lr {m.outer.lr:g} (default)")
 
 
 def shorter(p: LongProfile, factors: tuple[int, ...]) -> list[int]:
