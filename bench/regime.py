@@ -124,18 +124,20 @@ def run(*, profile: str = "default", out: Path = Path("bench-results/regime"), j
             log.info("%d steps a worker, seed %d, %s: %.4f", task.steps, task.seed, task.row, row["eval_loss"])
             rows[task.steps, task.seed, task.row] = row
             _write(path, rp, rows, tasks, wall_s=None)  # resumable with keep
-    ordered = _write(path, rp, rows, tasks, wall_s=round(time.perf_counter() - t0, 1))
+    ordered, summary = _write(path, rp, rows, tasks, wall_s=round(time.perf_counter() - t0, 1))
     from bench.regime_report import plot, write_markdown
 
-    summary = json.loads(path.read_text())["summary"]
     write_markdown(summary, ordered, out / "results.md", profile=profile)
     plot(summary, out / "gain.png", title=f"python -m bench regime --profile {profile}")
     return summary
 
 
-def _write(path: Path, rp: RegimeProfile, rows: dict, tasks: list[Task], *, wall_s: float | None) -> list[dict]:
+def _write(path: Path, rp: RegimeProfile, rows: dict, tasks: list[Task], *,
+           wall_s: float | None) -> tuple[list[dict], list[dict]]:
+    """Write results.json; (its rows in the tasks' order, its summary)."""
     order = {(t.steps, t.seed, t.row): i for i, t in enumerate(tasks)}
     ordered = sorted(rows.values(), key=lambda r: order.get((r["steps_per_worker"], r["seed"], r["row"]), len(order)))
     meta = {"profile": rp.profile, "workers": WORKERS, "long_run_steps": LONG_RUN_STEPS, "wall_s": wall_s}
-    path.write_text(json.dumps({"meta": meta, "summary": summarise(ordered), "rows": ordered}, indent=1) + "\n")
-    return ordered
+    summary = summarise(ordered)
+    path.write_text(json.dumps({"meta": meta, "summary": summary, "rows": ordered}, indent=1) + "\n")
+    return ordered, summary
