@@ -43,6 +43,13 @@ def judged_outcomes(c: Connection, worker_id: int, cfg: RunConfig) -> list[tuple
     return trust.judged([row for _, _, row in events[-trust.RECENT:]], max_staleness=cfg.outer.max_staleness)
 
 
+def _abandon_leases(c: Connection, worker_id: int) -> None:
+    """End the worker's live leases (a revoked or banned token); their shards go back to the queue,
+    instead of waiting out the deadlines for deltas that will be refused."""
+    for lease_id, shard_id in lease_rows.live_of_worker(c, worker_id):
+        lease_rows.end_lease(c, lease_id, shard_id, "abandoned")
+
+
 def _info(w: Row) -> protocol.WorkerInfo:
     return protocol.WorkerInfo(
         worker_id=w.id, name=w.name, team=w.team, device=w.device, standing=w.standing,
@@ -149,8 +156,7 @@ class WorkerService:
         with self.db.begin() as c:
             self._of_run(c, run_name, worker_id)
             worker_rows.revoke(c, worker_id)
-            for lease_id, shard_id in lease_rows.live_of_worker(c, worker_id):
-                lease_rows.end_lease(c, lease_id, shard_id, "abandoned")
+            _abandon_leases(c, worker_id)
             info = _info(worker_rows.by_id(c, worker_id))
         log.warning("run %s: worker %d revoked by the operator", run_name, worker_id)
         return info
@@ -188,6 +194,8 @@ class WorkerService:
         if verdict.state != current:
             log.warning("run %s: worker %d is now %s: %s", cfg.name, worker_id, verdict.state, verdict.reason)
             worker_rows.set_standing(c, worker_id, verdict.state, verdict.reason)
+            if verdict.state == "banned":  # it delivers nothing more: its shards go back to the queue now
+                _abandon_leases(c, worker_id)
 
     @staticmethod
     def check_throttle(c: Connection, worker: Caller, cfg: RunConfig) -> None:

@@ -454,3 +454,25 @@ def test_the_registration_burst_is_small(open_api, settings, run_config):
         assert resp.status_code == 429 and int(resp.headers["retry-after"]) >= 1
         with api.db() as s:
             assert s.query(Worker).count() == codes.count(201)
+
+
+def test_a_banned_worker_s_leases_go_back_to_the_queue(api, run):
+    """A banned worker delivers nothing more, so the shards it holds return now, not at their deadlines:
+    an attacker banned mid-round once held its shard while the honest workers found no work (204)."""
+    headers = api.register()
+    lease = api.lease(headers)
+    wid = api.coordinator.workers.authenticate(headers["Authorization"].split()[1]).id
+    for i in range(4):  # ban_after refusals of its own doing
+        api.coordinator.workers.count_refusal(wid, lease_run_id(api, lease.lease_id), 0, reason=f"refused {i}",
+                                              kind="exchange")
+    with api.db() as s:
+        row = s.get(Lease, lease.lease_id)
+        assert row.state == "abandoned"
+        assert s.get(Shard, row.shard_id).state == "pending"
+    other = api.lease(api.register())
+    assert other.shard_id == lease.shard_id  # the next worker gets it at once
+
+
+def lease_run_id(api, lease_id: int) -> int:
+    with api.db() as s:
+        return s.get(Lease, lease_id).run_id

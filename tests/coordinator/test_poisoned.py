@@ -199,7 +199,7 @@ def train_sparta(open_api, tmp_path, run_config, attack: bool) -> tuple[float, d
                 resp = api.client.post(f"{API}/leases/{lease.lease_id}/exchange", params={"step": step},
                                        content=body, headers={**headers, "Content-Type": "application/octet-stream"})
                 if resp.status_code != 200:
-                    assert i == 0 and attack, resp.text
+                    assert i == 0 and attack, (resp.status_code, resp.text)
                     refused.append(resp.status_code)
                     raise _Refused(resp.status_code, resp.text)
                 return resp.content
@@ -209,7 +209,7 @@ def train_sparta(open_api, tmp_path, run_config, attack: bool) -> tuple[float, d
             for i, headers in enumerate(workers):
                 resp = api.client.post(f"{API}/runs/{name}/leases", headers=headers)
                 if resp.status_code != 200:  # the attacker, throttled (429) or banned (403)
-                    assert i == 0 and attack, resp.text
+                    assert i == 0 and attack, (resp.status_code, resp.text)
                     refused.append(resp.status_code)
                     continue
                 lease = protocol.Lease.model_validate(resp.json())
@@ -222,7 +222,7 @@ def train_sparta(open_api, tmp_path, run_config, attack: bool) -> tuple[float, d
                 result = trainers[i].train_round(lease, base, tokens, exchange=exchanger(i, lease, headers))
                 resp = api.upload(lease.lease_id, result.body, headers)
                 if resp.status_code != 202:
-                    assert i == 0 and attack, resp.text
+                    assert i == 0 and attack, (resp.status_code, resp.text)
                     refused.append(resp.status_code)
             api.drain()
         return finish(api, name, trainers, refused)
