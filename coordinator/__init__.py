@@ -8,7 +8,8 @@
     queries/        every database statement, by table: typed functions over a Connection
     merger.py       the single merger thread: apply deltas in order, evaluate, checkpoint, GC
     runtime.py      a run's live state: global weights, outer optimizer, robust screening, snapshots,
-                    exchanges, eval
+                    eval
+    exchange_folding.py  the live state's side of sparse exchanges: screen, clip, blend, descent guard
     checkpoints.py  a run's live state to and from its rotated checkpoints
     storage.py      named blobs (BlobStore, the local filesystem's: atomic writes) and a run's layout
     scheduler.py    lease policy (pure): deadlines, lifetimes, seeds, traffic accounting

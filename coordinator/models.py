@@ -175,6 +175,9 @@ class Exchange(Base):
     bytes_in: Mapped[int] = mapped_column(Integer)
     bytes_out: Mapped[int] = mapped_column(Integer)
     at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    # what the descent guard kept of its step of the global model (exchange_screen.guard_scale); a replay
+    # takes it as recorded. NULL: from before the guard, replayed at 1
+    centre_scale: Mapped[float | None] = mapped_column(Float, nullable=True)
 
 
 class Refusal(Base):

@@ -30,9 +30,10 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
+from coordinator.exchange_folding import ExchangeFolding
 from coordinator.storage import Storage
 from shared import codec
-from shared.algorithms import robust, robust_stats, sparta
+from shared.algorithms import robust, robust_stats
 from shared.algorithms.inner import make_optimizer, pseudo_gradient, run_steps
 from shared.algorithms.flat_outer import FlatOuter
 from shared.algorithms.outer import OuterState, staleness_weight
@@ -60,7 +61,7 @@ class MergeOutcome:
     rejection: robust.Rejection | None = None  # why, when not merged: the metrics' label
 
 
-class RunRuntime:
+class RunRuntime(ExchangeFolding):
     # The lazy momentum step (FlatOuter): None = by model size (outer.LAZY_MIN_PARAMS and up); tests force it.
     lazy_momentum: bool | None = None
 
@@ -72,13 +73,14 @@ class RunRuntime:
         self.storage = storage
         self.version = version
         # Robust merging's state (shared/algorithms/robust.py), checkpointed so a replay decides alike:
-        # recent merged delta norms and answered exchange distances, per worker; merged deltas per
-        # worker (the ramp); the norm of the coordinator's own reference round (None: not calibrated).
+        # recent merged delta norms and folded exchanges' ratios to their limits (exchange_screen.py), per
+        # worker; merged rounds per worker (the ramp); the norm of the coordinator's own reference round
+        # (None: not calibrated).
         # A checkpoint from before per-worker norms (`norm_history`) counts each old norm as its own worker.
         screen = screen or {}
         self.norms = robust.Norms.from_json(screen["deltas"]) if "deltas" in screen else \
             robust.Norms({f"#{i}": [float(x)] for i, x in enumerate(norm_history or [])})
-        self.exchange_norms = robust.Norms.from_json(screen.get("exchanges", []))
+        self.exchange_ratios = robust.Norms.from_json(screen.get("exchange_ratios", []))
         self.merged_by: dict[str, int] = {str(k): int(v) for k, v in screen.get("merged", {}).items()}
         self.reference_norm: float | None = screen.get("reference")
         # The reference round's own pseudo-gradient, flat: the consensus direction until the outer
@@ -105,6 +107,10 @@ class RunRuntime:
         self.reference_scale = robust.reference_scale(fraction=fraction, feedback_decay=comp.feedback_decay,
                                                       random=comp.index == "random")
         self._eval_tokens: torch.Tensor | None = None
+        # the descent guard's (exchange_screen.py): the coordinator's own training tokens (the reference
+        # round's, set by calibrate) and (version, loss, flat gradient) of the published model on them
+        self.guard_tokens: torch.Tensor | None = None
+        self._descent: tuple[int, float, torch.Tensor] | None = None
         # True once a merge step moved these weights past what the database committed and failed (the
         # merger then reloads the run into a new object): exchanges must not fold into it meanwhile, or
         # they would be recorded after a version the database never reached
@@ -126,7 +132,7 @@ class RunRuntime:
 
     def screen_json(self) -> dict:
         """The screen's state as the checkpoint keeps it."""
-        return {"deltas": self.norms.to_json(), "exchanges": self.exchange_norms.to_json(),
+        return {"deltas": self.norms.to_json(), "exchange_ratios": self.exchange_ratios.to_json(),
                 "merged": self.merged_by, "reference": self.reference_norm}
 
     def calibrate(self, tokens: torch.Tensor) -> float:
@@ -143,6 +149,7 @@ class RunRuntime:
         base = get_params(model)
         opt = make_optimizer(model, inner)
         cfg = inner.model_copy(update={"warmup_steps": 0})
+        self.guard_tokens = tokens
         run_steps(model, opt, tokens, cfg, lr=inner.lr, steps=k,
                   generator=torch.Generator().manual_seed(self.config.seed))
         pg = pseudo_gradient(base, get_params(model))
@@ -264,6 +271,8 @@ class RunRuntime:
                 reason, why = f"stored delta unreadable: {delta}", robust.Rejection.UNREADABLE
             elif delta.n_entries == 0:  # a sparta round's end: changes nothing, not even the group count
                 merged = True
+                if worker is not None:  # but it is a round of the worker's record (its exchanges' ramp and reach)
+                    self.merged_by[str(worker)] = self.merged_by.get(str(worker), 0) + 1
             else:
                 # the outer momentum is the recent consensus direction (all zeros before the first group);
                 # the flat state keeps it as m = s M, and the cosine is the same against M
@@ -296,50 +305,6 @@ class RunRuntime:
             return out
         sha, size = self.write_snapshot()
         return dataclasses.replace(out, snapshot_sha256=sha, snapshot_size=size)
-
-    def _centre_values(self, e: codec.Entry) -> torch.Tensor:
-        return self.outer.weights_at(torch.from_numpy(e.indices) + self.outer.offsets[e.name])
-
-    def screen_exchange(self, sent: codec.Delta, *, steps: int) -> robust.Verdict:
-        """Whether `sent` (its distance from the centre) passes the screen (caller holds `lock`):
-        `steps`, the AdamW steps trained in the run so far and in flight (robust.exchange_element_bound)."""
-        norm, peak = robust_stats.exchange_stats(sent, self._centre_values)
-        return robust.decide_exchange(norm, peak, history=self.exchange_norms, cfg=self.config.robust,
-                                      elements=robust.exchange_element_bound(steps=steps, lr=self.config.inner.lr))
-
-    def exchange(self, sent: codec.Delta, *, exchange_id: int | None = None, worker: int | None = None) -> codec.Delta:
-        """Fold one sparse exchange into the global model (caller holds `lock`); returns the correction.
-
-        Replay passes the recorded exchange_id; live exchanges set it once their row is committed.
-        worker: the sender, whose exchange distances the screen keeps (None: not recorded)."""
-        if worker is not None:
-            norm, _ = robust_stats.exchange_stats(sent, self._centre_values)
-            if math.isfinite(norm) and norm > 0:
-                self.exchange_norms.add(str(worker), norm, self.config.robust)
-        cfg = self.config.sparta
-        # sparta's mix on theta = T - C M (T itself while C = 0), written through T; weights_at first
-        # flushes the weights' deferred share of the pending deltas into T
-        def flat(e: codec.Entry) -> torch.Tensor:
-            return torch.from_numpy(e.indices) + self.outer.offsets[e.name]
-
-        correction = sparta.mix(lambda e: self.outer.weights_at(flat(e)),
-                                lambda e, d: self.outer.t.index_add_(0, flat(e), d),
-                                sent, alpha=cfg.alpha, values=cfg.values)
-        if exchange_id is not None:
-            self.last_exchange_id = exchange_id
-        return correction
-
-    def centre_at(self, sent: codec.Delta) -> dict[str, torch.Tensor]:
-        """What undo_exchange needs to put the centre back at an exchange's indices (caller holds
-        `lock`): the stored T there (the weights themselves while C = 0), so the undo is exact."""
-        self.outer.flush()
-        return {e.name: self.outer.t[torch.from_numpy(e.indices) + self.outer.offsets[e.name]].clone()
-                for e in sent.entries}
-
-    def undo_exchange(self, sent: codec.Delta, before: dict[str, torch.Tensor]) -> None:
-        """Put back what centre_at saved: an exchange refused after exchange() changes nothing."""
-        for e in sent.entries:
-            self.outer.t[torch.from_numpy(e.indices) + self.outer.offsets[e.name]] = before[e.name]
 
     def eval_tokens(self) -> torch.Tensor:
         if self._eval_tokens is None:

@@ -12,17 +12,19 @@ def exists(c: Connection, lease_id: int, step: int) -> bool:
 
 
 def record(c: Connection, *, run_id: int, lease_id: int, worker_id: int, step: int, after_version: int,
-           body: bytes, bytes_out: int) -> int:
+           body: bytes, bytes_out: int, centre_scale: float) -> int:
     """An answered exchange, with its body and the version it followed (a restart replays it in its
     place); returns its id. Raises IntegrityError when the lease exchanged after this step already."""
     return c.execute(insert(Exchange).values(
         run_id=run_id, lease_id=lease_id, worker_id=worker_id, step=step, after_version=after_version, body=body,
-        bytes_in=len(body), bytes_out=bytes_out).returning(Exchange.id)).scalar_one()
+        bytes_in=len(body), bytes_out=bytes_out, centre_scale=centre_scale).returning(Exchange.id)).scalar_one()
 
 
 def after(c: Connection, run_id: int, version: int, *, after_id: int) -> list[Row]:
-    """(id, body, worker_id) of the run's exchanges that followed `version`, newer than `after_id`, by id."""
-    return list(c.execute(select(Exchange.id, Exchange.body, Exchange.worker_id).where(
+    """(id, body, worker_id, step, centre_scale) of the run's exchanges that followed `version`, newer than
+    `after_id`, by id."""
+    return list(c.execute(select(Exchange.id, Exchange.body, Exchange.worker_id, Exchange.step,
+                                 Exchange.centre_scale).where(
         Exchange.run_id == run_id, Exchange.after_version == version, Exchange.id > after_id)
         .order_by(Exchange.id)))
 

@@ -27,7 +27,7 @@ from coordinator.services.recovery import RecoveryService
 from coordinator.services.workers import WorkerService
 from coordinator.traffic import Traffic
 from shared import codec
-from shared.algorithms import sparta
+from shared.algorithms import exchange_screen, sparta
 from shared.algorithms.compress import k_for, tensor_seed
 from shared.algorithms.registry import ALGORITHMS
 from shared.config import RunConfig
@@ -43,7 +43,6 @@ class _Admitted:
     run_name: str
     lease_seed: int
     base_version: int
-    run_steps: int  # AdamW steps trained in the run so far plus those of every live lease
 
 
 def check_exchange(sent: codec.Delta, schema: dict[str, tuple[int, ...]], *, seed: int, p: float,
@@ -104,10 +103,14 @@ class ExchangeService:
         check_exchange(sent, rt.schema, seed=sparta.exchange_seed(got.lease_seed, step), p=got.cfg.sparta.p,
                        base_version=got.base_version, lease_id=lease_id)
         with rt.lock:
-            verdict = rt.screen_exchange(sent, steps=got.run_steps)
-        if not verdict.merged:  # the worker's own doing: counts toward throttle and ban, changes nothing else
+            verdict = rt.screen_exchange(sent, step=step, worker=worker.id)
+            # the worker's own doing unless its peers' exchanges are beyond their limits too (then the
+            # global model is what is off): only then it counts toward throttle and ban
+            counts = exchange_screen.counts_against(rt.exchange_ratios, str(worker.id), cfg=got.cfg.robust)
+        if not verdict.merged:  # changes nothing else
             message = f"exchange refused: {verdict.reason}"
-            self.workers.count_refusal(worker.id, got.run_id, len(body), reason=message, kind="exchange")
+            self.workers.count_refusal(worker.id, got.run_id, len(body), reason=message if counts else None,
+                                       kind="exchange")
             raise Unprocessable(message)
         return self._fold(rt, sent, lease_id, step, worker, body)
 
@@ -129,36 +132,34 @@ class ExchangeService:
                                     f"steps {every}, {2 * every}, ... up to {steps}")
             if exchange_rows.exists(c, lease_id, step):
                 raise Conflict(f"lease {lease_id} already exchanged after step {step}")
-            # AdamW steps trained in the run so far, plus those of every live lease (in flight, this
-            # one's included): how far apart honest replicas and the centre can have moved, per element
-            in_flight = lease_rows.live_count(c, run.id)
         return _Admitted(cfg=cfg, run_id=run.id, run_name=run.name, lease_seed=lease.seed,
-                         base_version=lease.base_version, run_steps=run.worker_steps + steps * max(1, in_flight))
+                         base_version=lease.base_version)
 
     def _fold(self, rt: RunRuntime, sent: codec.Delta, lease_id: int, step: int, worker: Caller,
               body: bytes) -> bytes:
         """Fold a screened exchange into the live model and record it; the encoded correction."""
         with rt.lock:
-            # Keep the centre's values at the exchanged indices and the screen's exchange norms, so a
+            # Keep the centre's values at the exchanged indices and the screen's exchange ratios, so a
             # failure below can put them back: a refused exchange changes nothing. (An exchange of
             # another worker between the screen and here moved the centre by a bounded step only.)
             if rt.ahead:  # a failed merge step left it ahead of the database; the merger reloads the run
                 raise Unavailable("the coordinator is recovering from a failed merge (its disk may be full); retry",
                                   retry_after=DISK_FULL_RETRY_S)
-            before, norms_before = rt.centre_at(sent), rt.exchange_norms.copy()
+            before, ratios_before = rt.centre_at(sent), rt.exchange_ratios.copy()
             try:
-                answer = codec.encode(rt.exchange(sent, worker=worker.id))
+                correction, scale = rt.exchange(sent, step=step, worker=worker.id)
+                answer = codec.encode(correction)
                 if not self.live.still_leading():  # fence: a process that lost the merger lock answers nothing more
                     raise Unavailable("the merger is changing hands between coordinator processes; retry")
                 with self.db.begin() as c:
                     exchange_id = exchange_rows.record(c, run_id=rt.run_id, lease_id=lease_id, worker_id=worker.id,
                                                        step=step, after_version=rt.version, body=body,
-                                                       bytes_out=len(answer))
+                                                       bytes_out=len(answer), centre_scale=scale)
                 rt.last_exchange_id = exchange_id
                 self.traffic.add(rt.run_id, worker.id, up=len(body), down_model=len(answer))
             except BaseException as exc:
                 rt.undo_exchange(sent, before)
-                rt.exchange_norms = norms_before
+                rt.exchange_ratios = ratios_before
                 if isinstance(exc, IntegrityError):  # the same exchange raced itself; the first one won
                     raise Conflict(f"lease {lease_id} already exchanged after step {step}") from None
                 if isinstance(exc, ValueError):  # the correction does not fit its value codec

@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable
 
 import numpy as np
+import torch
 import zstandard
 from sqlalchemy import Row
 from sqlalchemy.exc import SQLAlchemyError
@@ -26,6 +27,7 @@ from coordinator.services.live import LiveRuns
 from coordinator.settings import CoordinatorSettings
 from coordinator.storage import Storage
 from shared import codec
+from shared.algorithms.registry import ALGORITHMS
 from shared.config import RunConfig
 from shared.data import tokens_from_bytes
 
@@ -104,6 +106,9 @@ class RecoveryService:
         calibrated = not fresh and rt.reference_norm is None
         if calibrated:
             self.calibrate(rt)
+        elif ALGORITHMS[cfg.algorithm].exchanges and rt.guard_tokens is None:  # the descent guard's, as calibrate set
+            if (tokens := self.first_tokens(rt)).numel() > cfg.model.context:
+                rt.guard_tokens = tokens
         # Loading needs no writes: a coordinator restarted on a full disk comes up (reads served, writes
         # answered 503) and the merger writes these once there is room (Merger.catch_up_checkpoint,
         # catch_up_snapshot). Until then a restart replays the same deltas again: nothing is lost.
@@ -116,9 +121,9 @@ class RecoveryService:
                  deltas, exchanges)
         self.live.put(rt)
 
-    def calibrate(self, rt: RunRuntime) -> None:
-        """The run's reference round (RunRuntime.calibrate) on its first shards, in index order (the
-        same tokens whenever it is computed)."""
+    def first_tokens(self, rt: RunRuntime) -> torch.Tensor:
+        """The run's first training tokens, from its first shards in index order (the same tokens
+        whenever they are read): the reference round's, and the descent guard's."""
         dctx = zstandard.ZstdDecompressor()
         parts, n, i = [], 0, 0
         while n < self.CALIBRATION_TOKENS and self.storage.exists(name := self.storage.shard(rt.run_id, i)):
@@ -126,7 +131,11 @@ class RecoveryService:
             parts.append(raw)
             n, i = n + len(raw), i + 1
         dtype = rt.config.tokens.dtype
-        tokens = tokens_from_bytes(b"".join(parts)[:self.CALIBRATION_TOKENS * np.dtype(dtype).itemsize], dtype)
+        return tokens_from_bytes(b"".join(parts)[:self.CALIBRATION_TOKENS * np.dtype(dtype).itemsize], dtype)
+
+    def calibrate(self, rt: RunRuntime) -> None:
+        """The run's reference round (RunRuntime.calibrate) on its first training tokens."""
+        tokens = self.first_tokens(rt)
         if tokens.numel() <= rt.config.model.context:
             log.warning("run %s: too few training tokens for a reference round; deltas are screened without one",
                         rt.config.name)
@@ -146,8 +155,9 @@ class RecoveryService:
             nonlocal n_exchanges
             with self.db.read() as c:
                 rows = exchange_rows.after(c, rt.run_id, version, after_id=rt.last_exchange_id)
-            for ex_id, body, worker_id in rows:
-                rt.exchange(codec.decode(body, schema=rt.schema), exchange_id=ex_id, worker=worker_id)
+            for ex_id, body, worker_id, step, scale in rows:
+                rt.exchange(codec.decode(body, schema=rt.schema), step=step, exchange_id=ex_id, worker=worker_id,
+                            scale=1.0 if scale is None else scale)
                 n_exchanges += 1
 
         exchanges_after(rt.version)

@@ -11,6 +11,7 @@
     robust_stats.py what the screen measures of a delta: norm, cosine, agreement, peak
     spotcheck.py   the replay spot-check: re-train a lease's round, compare it with the delta sent
     sparta.py      sparse elastic exchanges with the global model
+    exchange_screen.py  an exchange's limits from its own lease's reach; clip, blend, refuse
     sync.py        incremental model downloads: the int8 change between two versions, or from the
                    worker's own copy (update_feedback; copy_digest names a copy)
 """

@@ -35,10 +35,10 @@ compares it with what an honest round can look like and with what honest rounds 
 What the cosine and the agreement measure, and why: robust_stats.py.
 
 A worker's merge weight also ramps up with its record (ramp_weight): a new token's first deltas count
-1/ramp, 2/ramp, ... of a full one. Exchanges (sparta) are screened alike (decide_exchange): each value's
-distance from the centre against how far honest training can have moved it, and the distance norm
-against recent exchanges, each worker once. All of it (Norms, the ramp's counts, the reference) is part
-of the run's checkpointed state, so a replay after a restart takes exactly the same decisions.
+1/ramp, 2/ramp, ... of a full one. Sparse exchanges (sparta) are bounded by what their own lease can
+have moved, then clipped and blended (exchange_screen.py). All of it (Norms, the ramp's counts, the
+reference) is part of the run's checkpointed state, so a replay after a restart takes exactly the same
+decisions.
 """
 
 from __future__ import annotations
@@ -272,37 +272,6 @@ def decide(norm: float, cosine: float | None, *, history: Sequence[float] | Norm
         return Verdict("clip", scale, norm, cosine,
                        f"clipped: norm {norm:.4g} is {norm / median:.1f}x the recent median, scaled by {scale:.3f}")
     return Verdict("accept", 1.0, norm, cosine, None)
-
-
-def exchange_element_bound(*, steps: int, lr: float) -> float:
-    """How far an honest exchange's value can be from the centre, per element, after `steps` AdamW
-    steps in all (the run's steps so far plus those in flight): every replica and the centre start
-    at the same weights, each step moves a replica's element by ~lr, and mixing (convex) never moves
-    anything further out, so any two of them are within 2 * steps * lr of each other."""
-    return 2.0 * steps * lr
-
-
-def decide_exchange(norm: float, peak: float, *, history: Norms, cfg: RobustConfig, elements: float) -> Verdict:
-    """An exchange's verdict: accept or reject (an exchange is never clipped: its values are the
-    worker's weights, and the answer must be the correction to exactly them)."""
-    def reject(why: Rejection, reason: str) -> Verdict:
-        return Verdict("reject", 0.0, norm, None, reason, why)
-
-    if not (math.isfinite(norm) and math.isfinite(peak)):
-        return reject(Rejection.NONFINITE, "its distance from the global model is not finite")
-    if not cfg.enabled:
-        return Verdict("accept", 1.0, norm, None, None)
-    if cfg.element_factor > 0 and peak > cfg.element_factor * elements:
-        return reject(Rejection.BOUND,
-                      f"a value is {peak:.4g} from the global model, {peak / elements:.1f}x what the run's AdamW "
-                      f"steps so far can move an element apart (limit {cfg.element_factor:g}x)")
-    median, n_workers = history.median()
-    if len(history) >= cfg.min_history and n_workers >= cfg.min_workers and median > 0 \
-            and norm > cfg.reject_factor * median:
-        return reject(Rejection.NORM,
-                      f"its distance from the global model, {norm:.4g}, is {norm / median:.1f}x the recent "
-                      f"median {median:.4g} of {n_workers} workers' exchanges (limit {cfg.reject_factor:g}x)")
-    return Verdict("accept", 1.0, norm, None, None)
 
 
 def remember(history: list[float] | Norms, verdict: Verdict, cfg: RobustConfig, *, worker: str | None = None) -> None:

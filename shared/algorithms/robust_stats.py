@@ -107,15 +107,3 @@ def flat_max_abs(delta: FlatDelta) -> float:
     parts = [np.asarray(delta.values, dtype=np.float64)] + [np.asarray(d, dtype=np.float64) for _, d in delta.dense]
     peaks = [float(np.max(np.abs(p))) for p in parts if p.size]
     return max(peaks, default=0.0) if not any(math.isnan(p) for p in peaks) else math.nan
-
-
-def exchange_stats(sent: Delta, centre_at) -> tuple[float, float]:
-    """(norm, largest |value|) of an exchange's distance from the centre: sent values minus
-    centre_at(entry), the centre's values at the entry's indices."""
-    sq, peak = 0.0, 0.0
-    for e in sent.entries:
-        d = np.asarray(e.values, dtype=np.float64) - centre_at(e).numpy().astype(np.float64)
-        if d.size:
-            sq += float(np.add.reduce(d * d))
-            peak = max(peak, float(np.max(np.abs(d))))  # a nan makes the norm nan: refused as not finite
-    return math.sqrt(sq), peak

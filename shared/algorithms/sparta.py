@@ -14,7 +14,7 @@ in flight are kept: training never blocks on the network.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -87,3 +87,23 @@ def apply_correction(params: Mapping[str, torch.Tensor], correction: codec.Delta
             idx = torch.from_numpy(e.indices).to(w.device)
             flat.index_add_(0, idx, torch.from_numpy(np.asarray(e.values, dtype=np.float32)).to(w.device),
                             alpha=-1.0)
+
+
+def mix_clipped(at: Callable[[codec.Entry], torch.Tensor], add: Callable[[codec.Entry, torch.Tensor], None],
+                sent: codec.Delta, *, clipped: Sequence[np.ndarray] | None, alpha: float, scale: float,
+                values: str) -> codec.Delta:
+    """mix with the centre's step bounded (shared/algorithms/exchange_screen.py): the worker's correction
+    is alpha * (w - c) as in mix; the centre moves by `scale` times it (clipped None: the distance as
+    sent; at scale 1 that is mix exactly), or by alpha * scale * clipped (per entry, the distance the
+    screen let through), or not at all (clipped empty)."""
+    out = []
+    with torch.no_grad():
+        for i, e in enumerate(sent.entries):
+            d = alpha * (torch.from_numpy(np.asarray(e.values, dtype=np.float32)) - at(e))
+            if clipped is None:
+                add(e, d if scale == 1.0 else d * scale)
+            elif clipped:
+                add(e, torch.from_numpy(np.asarray(alpha * scale * clipped[i], dtype=np.float32)))
+            out.append(codec.Entry(e.name, e.numel, codec.IndexKind.SEEDED, VALUE_KINDS[values],
+                                   d.numpy(), e.indices, e.seed))
+    return codec.Delta(base_version=sent.base_version, entries=tuple(out))

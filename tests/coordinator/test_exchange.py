@@ -27,6 +27,7 @@ from coordinator.models import Exchange, Lease, Refusal, Run, Worker, utcnow
 from coordinator.settings import CoordinatorSettings
 from shared import codec, protocol
 from shared.algorithms.compress import tensor_seed
+from shared.algorithms.exchange_screen import NEW_TOKEN_SHARE
 from shared.algorithms.sparta import apply_correction, exchange_seed, select as sparta_select
 from shared.codec import Delta, Entry, IndexKind, ValueKind
 from shared.config import SpartaConfig
@@ -68,7 +69,8 @@ def post_exchange(api: Api, lease_id: int, step, body: bytes, headers: dict, con
 
 def worker_values(api: Api, run: str, seed: int = 0) -> dict[str, torch.Tensor]:
     """A worker's weights: the centre plus some local drift (as far as a few steps of lr 2e-3 go: the
-    coordinator refuses values further from the centre than the run's AdamW steps can move them)."""
+    coordinator clips, and far beyond refuses, values further from the centre than the lease's AdamW
+    steps can move them)."""
     g = torch.Generator().manual_seed(seed)
     return {n: t.clone() + 1e-3 * torch.randn(t.shape, generator=g) for n, t in api.runtime(run).state.params.items()}
 
@@ -139,19 +141,21 @@ def test_exchange_mixes_the_selected_coordinates_and_answers_the_correction(api,
         idx = torch.from_numpy(e.indices)
         old, new = c0[e.name].reshape(-1), rt.state.params[e.name].reshape(-1)
         want_d = 0.5 * (torch.from_numpy(e.values) - old[idx])
-        # the centre moved by d at exactly the exchanged indices, nowhere else
-        torch.testing.assert_close(new[idx], old[idx] + want_d)
+        # the centre moved by d at exactly the exchanged indices, nowhere else: within the lease's reach and
+        # not up the loss, so as sent, at the share of a token that has delivered no round yet
+        # (exchange_screen.py)
+        torch.testing.assert_close(new[idx], old[idx] + NEW_TOKEN_SHARE * want_d)
         mask = torch.ones(old.numel(), dtype=torch.bool)
         mask[idx] = False
         assert torch.equal(new[mask], old[mask])
         # the answer is d (as fp16)
         torch.testing.assert_close(torch.from_numpy(d.values), want_d, atol=2e-3, rtol=1e-3)
-    # the worker subtracts d: both sides now agree at the exchanged indices (alpha = 0.5)
+    # the worker subtracts d: it lands on the pair's average (alpha = 0.5), 
     apply_correction(w, correction)
     for e in seen.entries:
         idx = torch.from_numpy(e.indices)
-        torch.testing.assert_close(w[e.name].reshape(-1)[idx], rt.state.params[e.name].reshape(-1)[idx],
-                                   atol=2e-3, rtol=1e-3)
+        midpoint = 0.5 * (torch.from_numpy(e.values) + c0[e.name].reshape(-1)[idx])
+        torch.testing.assert_close(w[e.name].reshape(-1)[idx], midpoint, atol=2e-3, rtol=1e-3)
 
     after = observe(api)
     assert after["exchanges"] == before["exchanges"] + 1
@@ -480,7 +484,8 @@ def test_an_honest_exchange_passes_the_screen_and_is_remembered(api):
     resp = post_exchange(api, lease.lease_id, EVERY, codec.encode(sent_for(lease, EVERY, worker_values(api, "s"))),
                          headers)
     assert resp.status_code == 200, resp.text
-    assert len(rt.exchange_norms.by_worker[str(wid)]) == 1  # its distance counts, once per worker, in the median
+    assert len(rt.exchange_ratios.by_worker[str(wid)]) == 1  # its ratio to its limits, what its peers are judged by
+    assert rt.exchange_ratios.by_worker[str(wid)][0] < 1.0  # a few steps' drift: within what the lease can move
 
 
 def _worker_of(api, lease_id: int) -> int:
