@@ -16,7 +16,8 @@
     trust.py        worker standing (pure): ok / throttled / banned from robust merging's verdicts
     credit.py       contributors' credit (pure): merged tokens times a quick-return bonus
     spotcheck.py    replay spot-checks' policy (pure): which leases are sampled, by which bounds judged
-    names.py        contributor and team names (pure): what they may hold, the folded form compared
+    names.py        contributor and team names (pure): what they may hold, the forms compared
+    confusables.py  Unicode's confusable skeletons (UTS #39) from unicode/confusables.txt (pure)
     stats.py        contributors' stats (pure): daily rows, history, the daily summary, run progress
     ratelimit.py    per-worker (and per-address) token buckets -> 429 + Retry-After
     limits.py       HTTP-layer bounds: body caps, uploads and exchanges in flight, validation slots
@@ -30,4 +31,5 @@
     datasets.py     a run's tokens from a raw corpus or a prepared folder (streamed): shards, eval, tokenizer
     models.py       the database schema;  db.py  the engine and Database;  migrate.py, migrations/
     static/         dashboard.html, the page GET / serves
+    unicode/        confusables.txt (Unicode 17.0's, as ICU 78.3 compiled it) and its license
 """

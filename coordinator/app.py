@@ -20,7 +20,7 @@ from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 from coordinator import admin, hosts, leader, limits, timing
 from coordinator.api import (dashboard, deps, downloads, errors, exchanges, leases, metrics, relay, reports, runs,
-                             stats, uploads, workers)
+                             stats, teams, uploads, workers)
 from coordinator.db import driver_url
 from coordinator.merger import Merger
 from coordinator.services.coordinator import Coordinator
@@ -162,6 +162,7 @@ def create_app(settings: CoordinatorSettings, *, start_merger: bool = True) -> F
     app.include_router(runs.router)
     app.include_router(reports.router)
     app.include_router(workers.router)
+    app.include_router(teams.router)
     app.include_router(leases.router)
     app.include_router(uploads.router)
     app.include_router(exchanges.router)

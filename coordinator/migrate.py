@@ -3,14 +3,16 @@ next revision after models.py changed (`python -m coordinator.migrate revision "
 
 from __future__ import annotations
 
+import contextlib
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
-from sqlalchemy import Engine, create_engine
+from sqlalchemy import Connection, Engine, create_engine
 
 from coordinator.queries import locks
 
@@ -38,7 +40,7 @@ def current(engine: Engine) -> str | None:
 def upgrade(engine: Engine, revision: str = "head") -> str | None:
     """Bring the database to `revision` (default: the newest); returns the revision it is at."""
     cfg = alembic_config()
-    with engine.begin() as conn:
+    with engine.begin() as conn, _foreign_keys_deferred(conn):
         if engine.dialect.name == "postgresql":
             # Coordinator processes starting together migrate one at a time (the lock ends with the
             # transaction); the others then find the schema at head and do nothing.
@@ -50,10 +52,28 @@ def upgrade(engine: Engine, revision: str = "head") -> str | None:
 
 def downgrade(engine: Engine, revision: str) -> str | None:
     cfg = alembic_config()
-    with engine.begin() as conn:
+    with engine.begin() as conn, _foreign_keys_deferred(conn):
         cfg.attributes["connection"] = conn
         command.downgrade(cfg, revision)
     return current(engine)
+
+
+@contextlib.contextmanager
+def _foreign_keys_deferred(conn: Connection) -> Iterator[None]:
+    """On SQLite, foreign keys off while migrations run, checked once after: a batch migration
+    rebuilds a table (copy, drop, rename), and dropping one that other rows reference fails with
+    them on, deferred or not. The pragma is a no-op inside a transaction, so it comes first."""
+    if conn.dialect.name != "sqlite":
+        yield
+        return
+    conn.exec_driver_sql("PRAGMA foreign_keys=OFF")
+    try:
+        yield
+        broken = conn.exec_driver_sql("PRAGMA foreign_key_check").fetchall()
+        if broken:
+            raise RuntimeError(f"the migration left rows whose foreign keys point nowhere: {broken[:5]}")
+    finally:
+        conn.exec_driver_sql("PRAGMA foreign_keys=ON")
 
 
 def _revision(message: str) -> None:

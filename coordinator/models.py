@@ -56,7 +56,10 @@ class Worker(Base):
     token_hash: Mapped[str] = mapped_column(String(64), unique=True)
     name: Mapped[str | None] = mapped_column(String(64), nullable=True)  # its contributor's (None: anonymous)
     contributor_id: Mapped[int | None] = mapped_column(ForeignKey("contributors.id"), nullable=True)
-    team: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    team: Mapped[str | None] = mapped_column(String(64), nullable=True)  # a label it declared, or its team's name
+    # Set when it registered with a registered team's key (--team-key): a verified member, whose leases
+    # count against the team's cap per address, not max_leases_per_address.
+    team_id: Mapped[int | None] = mapped_column(ForeignKey("teams.id"), nullable=True, index=True)
     device: Mapped[str | None] = mapped_column(String(64), nullable=True)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     last_seen: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
@@ -197,16 +200,42 @@ class Refusal(Base):
 
 class Contributor(Base):
     """A contributor name claimed in a run: the first worker to register it claims it, and the run's
-    later workers join under it only with its contributor key (coordinator/names.py folds the names
-    compared, so a lookalike cannot pass for it)."""
+    later workers join under it only with its contributor key (coordinator/names.py gives each name
+    its forms compared, ContributorKey holds them, so a lookalike cannot pass for it)."""
 
     __tablename__ = "contributors"
-    __table_args__ = (UniqueConstraint("run_id", "name_key"),)
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     run_id: Mapped[int] = mapped_column(ForeignKey("runs.id"))
     name: Mapped[str] = mapped_column(String(64))  # as first registered: every machine of it shows this
-    name_key: Mapped[str] = mapped_column(String(256))  # the folded name (names.name_key)
     key_hash: Mapped[str] = mapped_column(String(64))
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class ContributorKey(Base):
+    """One form a contributor's name is compared in (names.name_keys). A claim holds each of its forms
+    at seat 0, so (run_id, key, 0) is what a concurrent claim of a lookalike collides with, in any
+    process. A name claimed before the forms last changed that now shares one with an older name sits
+    at its own id instead: both are kept (and found), a new claim of either form is refused."""
+
+    __tablename__ = "contributor_keys"
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id"), primary_key=True)
+    key: Mapped[str] = mapped_column(String(256), primary_key=True)
+    seat: Mapped[int] = mapped_column(Integer, primary_key=True)
+    contributor_id: Mapped[int] = mapped_column(ForeignKey("contributors.id"), index=True)
+
+
+class Team(Base):
+    """A team the operator registered (`idletrain team create`): its name (compared as names are,
+    coordinator-wide) is claimed only with its key, and its verified members' live leases count
+    against its own cap per address (None: the coordinator's max_leases_per_address)."""
+
+    __tablename__ = "teams"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(64), unique=True)
+    name_key: Mapped[str] = mapped_column(String(256), unique=True)  # names.name_keys' first form
+    shape_key: Mapped[str] = mapped_column(String(256), unique=True)  # its last (the first again for most names)
+    key_hash: Mapped[str] = mapped_column(String(64))
+    max_leases_per_address: Mapped[int | None] = mapped_column(Integer, nullable=True)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 

@@ -113,9 +113,11 @@ class CoordinatorSettings(BaseSettings):
     # starting more machines at once gets 429 + Retry-After for the rest, which the worker waits out
     register_burst: float = Field(8.0, ge=1)
     max_leases_per_address: int = Field(32, ge=1, description="live leases of one run that one client address (an "
-                                        "IPv6 address by its /64) may hold at once; over it: 429 + Retry-After. A "
-                                        "household or a lab behind one NAT address fits; raise it for a bigger "
-                                        "site, or for load tests whose workers all come from 127.0.0.1")
+                                        "IPv6 address by its /64) may hold at once, but for a registered team's "
+                                        "verified members, which count against the team's own cap there "
+                                        "(`idletrain team create`); over it: 429 + Retry-After. A household fits; "
+                                        "register a lab behind one NAT address as a team, or raise this for load "
+                                        "tests whose workers all come from 127.0.0.1")
     lease_lifetime_rounds: float = Field(4.0, ge=1, description="a lease lives at most this many times the run's "
                                          "expected round (lease to delivery, recent deliveries), never less than "
                                          "its lease_ttl_s: renewals stop there and the sweep re-issues its shard")

@@ -109,7 +109,9 @@ def summary(run: str, day: date, of_day: Iterable, up_to_day: Iterable) -> Daily
 
 
 def to_csv(columns: list[str], rows: Iterable[BaseModel]) -> str:
-    """Rows as CSV with a header line; credit with two decimals, no name as `anonymous`, no team empty."""
+    """Rows as CSV with a header line; credit with two decimals, no name as `anonymous`, no team empty.
+    Every CSV export goes through here: text cells are neutralised (`spreadsheet_safe`), numbers are
+    written as numbers (a negative credit stays a number)."""
     out = io.StringIO()
     w = csv.writer(out, lineterminator="\n")
     w.writerow(columns)
@@ -119,12 +121,25 @@ def to_csv(columns: list[str], rows: Iterable[BaseModel]) -> str:
     return out.getvalue()
 
 
-def _cell(column: str, value) -> str:
+FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")  # OWASP's CSV injection list: a spreadsheet evaluates these
+
+
+def spreadsheet_safe(text: str) -> str:
+    """`text` as a CSV cell no spreadsheet evaluates: one that begins with a formula character is
+    prefixed with a single quote (OWASP's rule); the csv writer then quotes it as CSV quotes any cell."""
+    return "'" + text if text.startswith(FORMULA_STARTS) else text
+
+
+def _cell(column: str, value) -> str | int:
     if value is None:
         return ANONYMOUS if column == "name" else ""
     if isinstance(value, float):
         return f"{value:.2f}"
-    return str(value)
+    if isinstance(value, int):
+        return value
+    if isinstance(value, date):
+        return value.isoformat()
+    return spreadsheet_safe(str(value))
 
 
 def progress(*, state: str, tokens_done: int, token_budget: int | None, recent_tokens: int,

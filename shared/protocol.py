@@ -68,6 +68,23 @@ class RegisterRequest(_Body):
     join_key: str | None = Field(None, max_length=256)
     contributor_key: str | None = Field(None, max_length=256, description="adds this machine under `name` when "
                                         "another claimed it: the key its first registration answered")
+    team_key: str | None = Field(None, max_length=256, description="joins the registered team `team` as a verified "
+                                 "member: the key the operator created it with")
+
+
+class TeamCreate(_Body):
+    name: str = Field(min_length=1, max_length=64, description="compared as contributor names are")
+    max_leases_per_address: int | None = Field(None, ge=1, description="live leases of a run its verified members "
+                                               "may hold from one address (default: the coordinator's)")
+
+
+class TeamInfo(_Body):
+    team_id: int
+    name: str
+    max_leases_per_address: int | None
+    created_at: datetime
+    members: int = Field(0, description="verified workers, every run's, not revoked")
+    key: str | None = Field(None, description="the team's key: in the answer that created it, shown only that once")
 
 
 class RegisterResponse(_Body):
@@ -179,6 +196,7 @@ class WorkerInfo(_Body):
     worker_id: int
     name: str | None
     team: str | None
+    team_verified: bool = Field(False, description="registered with the key of the registered team `team`")
     device: str | None
     standing: str = Field(description="ok | throttled | banned (robust merging's verdict)")
     standing_reason: str | None

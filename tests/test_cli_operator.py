@@ -22,9 +22,9 @@ def api(tmp_path, open_api, run_config, monkeypatch):
     with open_api(CoordinatorSettings(data_dir=tmp_path / "coord", admin_token=TOKEN)) as api:
         api.create_run(run_config(), headers={"Authorization": f"Bearer {TOKEN}"})
 
-        def request(method, url, *, timeout, headers):
+        def request(method, url, *, timeout, headers, **body):
             assert url.startswith(URL)
-            return api.client.request(method, url[len(URL):], headers=headers)
+            return api.client.request(method, url[len(URL):], headers=headers, **body)
 
         monkeypatch.setattr(httpx, "request", request)
         monkeypatch.delenv("IDLETRAIN_ADMIN_TOKEN", raising=False)
@@ -80,6 +80,27 @@ def test_worker_list_revoke_readmit(api, capsys):
     assert run("worker", "revoke", "99", "--run", "t", "--admin-token", TOKEN) == 2
     err = capsys.readouterr().err
     assert "404" in err and "no worker 99" in err
+
+
+def test_team_create_list_delete_and_the_worker_list(api, capsys):
+    assert run("team", "create", "MIT Lab", "--max-leases-per-address", "64", "--admin-token", TOKEN) == 0
+    out = capsys.readouterr().out
+    key = out.split("team key (shown once; the coordinator keeps only its hash): ")[1].split()[0]
+    assert "live leases per address: 64" in out and '--team "MIT Lab" --team-key KEY' in out
+    api.register(name="ann", team="mit lab", team_key=key)
+    api.register(name="bob", team="blue")
+    assert run("worker", "list", "--run", "t", "--admin-token", TOKEN) == 0
+    out = capsys.readouterr().out
+    assert "MIT Lab*" in out and "blue " in out and "team*: a verified member" in out
+    assert run("team", "list", "--admin-token", TOKEN) == 0
+    (line,) = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("MIT Lab")]
+    assert line.split()[2:4] == ["1", "64"]
+    assert run("team", "create", "mit lab", "--admin-token", TOKEN) == 2
+    assert "409" in capsys.readouterr().err
+    assert run("team", "delete", "MIT Lab", "--admin-token", TOKEN) == 0
+    assert "1 member(s) keep working" in capsys.readouterr().out
+    assert run("team", "delete", "MIT Lab", "--admin-token", TOKEN) == 2
+    assert "404" in capsys.readouterr().err and run("team", "list") == 2  # without the admin token
 
 
 @pytest.fixture

@@ -147,10 +147,10 @@ class NotAdmitted(Blocked):
         if self.status == 401:
             todo = "check --token and --join-key"
         elif self.status == 403:
-            todo = ("check --join-key and --contributor-key, or ask the operator (a revoked or banned token "
-                    "stays refused)")
+            todo = ("check --join-key, --contributor-key and --team-key, or ask the operator (a revoked or banned "
+                    "token stays refused)")
         else:
-            todo = "change --name, --team or --contributor-key and start the worker again"
+            todo = "change --name, --team, --contributor-key or --team-key and start the worker again"
         return f"the coordinator does not admit this worker ({self.detail}): {todo}. Waiting, asking again in a while"
 
 

@@ -256,7 +256,8 @@ class CoordinatorClient:
         registration itself is refused (its name taken, a key wrong)."""
         with _run_refusal(run):
             try:
-                resp = self._request("POST", f"{protocol.API_PREFIX}/runs/{run}/workers", json=req.model_dump())
+                resp = self._request("POST", f"{protocol.API_PREFIX}/runs/{run}/workers",
+                                     json=req.model_dump(exclude_none=True))  # what an older coordinator knows
             except CoordinatorError as exc:
                 if exc.status in (400, 409, 422):
                     raise NotAdmitted(exc.status, exc.detail) from None

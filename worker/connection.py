@@ -121,7 +121,7 @@ class Connection:
         if token is None:
             reg = self.client.register(s.run, protocol.RegisterRequest(
                 name=s.name, team=s.team, device=self.device_type, join_key=s.join_key,
-                contributor_key=s.contributor_key))
+                contributor_key=s.contributor_key, team_key=s.team_key))
             self.tokens.put(s.coordinator, s.run, reg.worker_id, reg.token)
             token = reg.token
             log.info("registered with run %s as worker %d", s.run, reg.worker_id)

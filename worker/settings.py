@@ -64,6 +64,8 @@ class WorkerSettings(BaseSettings):
     team: str | None = Field(None, max_length=64)
     contributor_key: str | None = Field(None, max_length=256, description="adds this machine under `name` when "
                                         "another claimed it: the key that first registration printed")
+    team_key: str | None = Field(None, max_length=256, description="joins `team` as a verified member: the key "
+                                 "the operator created the team with (`idletrain team create`)")
     device: Literal["auto", "cpu", "cuda", "mps"] = "auto"
     threads: int | None = Field(None, ge=1, le=1024, description="torch CPU threads; default: torch's choice")
     state_dir: Path = Field(default_factory=default_state_dir, description="token, cache and training state live here")

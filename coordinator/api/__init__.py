@@ -5,6 +5,7 @@
     errors.py     the one mapping of errors to HTTP answers
     runs.py       create / list / config / pause / resume            (RunService)
     workers.py    register; the operator's list / revoke / readmit   (WorkerService)
+    teams.py      registered teams: create / list / delete           (TeamService)
     leases.py     take, renew, give up a lease                       (LeaseService)
     downloads.py  snapshots, model updates, shards                   (DownloadService)
     uploads.py    delta uploads, streamed to disk                    (UploadService)

@@ -9,7 +9,8 @@
     exchanges.py  sparse exchanges (sparta): record, count, replay, prune their bodies
     spotchecks.py replay spot-checks: sampled at acknowledgement, the checker's queue, verdicts
     reports.py    the aggregates behind status, the dashboard and /metrics
-    stats.py      contributors (claimed names) and daily stats: moved with the ledger, aggregated by day
+    stats.py      contributors (claimed names, their forms) and daily stats: moved with the ledger, by day
+    teams.py      registered teams: create, find by a name's forms, list, delete; a member's lease cap
     locks.py      PostgreSQL advisory locks: the merger lock (leader.py), the migration lock (migrate.py)
 
 One way to the database: SQLAlchemy Core on a Connection (no ORM unit of work), the caller owning

@@ -6,7 +6,7 @@ from datetime import datetime
 
 from sqlalchemy import Connection, Executable, Row, bindparam, func, insert, select, update
 
-from coordinator.models import DeltaRecord, Lease, Shard
+from coordinator.models import DeltaRecord, Lease, Shard, Worker
 from coordinator.queries.versions import newest_snapshot
 
 
@@ -34,10 +34,13 @@ _INSERT = (insert(Lease).values(run_id=bindparam("run"), worker_id=bindparam("wo
                                 created_at=bindparam("now"), client=bindparam("client"))
            .returning(Lease.id, Lease.base_version))
 _SEED = update(Lease).where(Lease.id == bindparam("lease")).values(seed=bindparam("lease_seed"))
-# live leases of a run held from one client address (settings.max_leases_per_address caps them)
-_OF_CLIENT = select(func.count()).select_from(Lease).where(
+# live leases of a run held from one client address by workers of no registered team (settings.
+# max_leases_per_address caps them), and by the verified members of one team (its own cap)
+_AT_CLIENT = select(func.count()).select_from(Lease).join(Worker, Worker.id == Lease.worker_id).where(
     Lease.run_id == bindparam("run"), Lease.client == bindparam("client"), Lease.state == "active",
     Lease.deadline > bindparam("now"))
+_OF_CLIENT = _AT_CLIENT.where(Worker.team_id.is_(None))
+_OF_CLIENT_TEAM = _AT_CLIENT.where(Worker.team_id == bindparam("team"))
 # (received_at, lease created_at) of a run's newest deliveries: its expected round (scheduler.lease_lifetime_s)
 _RECENT_ROUNDS = (select(DeltaRecord.received_at, Lease.created_at).join(Lease, Lease.id == DeltaRecord.lease_id)
                   .where(DeltaRecord.run_id == bindparam("run")).order_by(DeltaRecord.seq.desc()).limit(64))
@@ -94,8 +97,12 @@ def end_lease(c: Connection, lease_id: int, shard_id: int, state: str) -> None:
     free_shard(c, shard_id)
 
 
-def of_client(c: Connection, run_id: int, client: str, now: datetime) -> int:
-    return c.execute(_OF_CLIENT, {"run": run_id, "client": client, "now": now}).scalar_one()
+def of_client(c: Connection, run_id: int, client: str, now: datetime, *, team_id: int | None = None) -> int:
+    """Live leases of the run held from `client` by the verified members of team `team_id` (None:
+    by the workers of no registered team)."""
+    if team_id is None:
+        return c.execute(_OF_CLIENT, {"run": run_id, "client": client, "now": now}).scalar_one()
+    return c.execute(_OF_CLIENT_TEAM, {"run": run_id, "client": client, "now": now, "team": team_id}).scalar_one()
 
 
 def insert_lease(c: Connection, *, run_id: int, worker_id: int, shard_id: int, lr: float, deadline: datetime,

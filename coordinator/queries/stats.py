@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from datetime import date, datetime
 
-from sqlalchemy import Connection, Row, func, null, select
+from sqlalchemy import Connection, Row, delete, func, insert, null, select
 from sqlalchemy.dialects import postgresql, sqlite
 
-from coordinator.models import Contributor, DailyStat, DeltaRecord, Worker
+from coordinator.models import Contributor, ContributorKey, DailyStat, DeltaRecord, Worker
 
 _INSERTS = {"postgresql": postgresql.insert, "sqlite": sqlite.insert}
 
@@ -20,18 +20,31 @@ def _insert(c: Connection, table):
 
 # -- contributors ---------------------------------------------------------------------------------
 
-def contributor(c: Connection, run_id: int, name_key: str) -> Row | None:
-    """(id, name, key_hash) of the run's contributor whose folded name is `name_key`."""
-    return c.execute(select(Contributor.id, Contributor.name, Contributor.key_hash).where(
-        Contributor.run_id == run_id, Contributor.name_key == name_key)).first()
+def holders(c: Connection, run_id: int, keys: tuple[str, ...]) -> list[Row]:
+    """(id, name, key_hash) of the run's contributors holding any of the name forms `keys`, the
+    one that holds them at seat 0 (the oldest) first."""
+    return list(c.execute(select(Contributor.id, Contributor.name, Contributor.key_hash)
+                          .join(ContributorKey, ContributorKey.contributor_id == Contributor.id)
+                          .where(ContributorKey.run_id == run_id, ContributorKey.key.in_(keys))
+                          .group_by(Contributor.id, Contributor.name, Contributor.key_hash)
+                          .order_by(func.min(ContributorKey.seat), Contributor.id)))
 
 
-def claim(c: Connection, *, run_id: int, name: str, name_key: str, key_hash: str) -> int | None:
-    """Claim a name for the run: its new contributor's id, or None when the name is already claimed
-    (by a concurrent registration too: the unique (run_id, name_key) decides, in any process)."""
-    stmt = _insert(c, Contributor).values(run_id=run_id, name=name, name_key=name_key, key_hash=key_hash)
-    return c.execute(stmt.on_conflict_do_nothing(index_elements=["run_id", "name_key"])
-                     .returning(Contributor.id)).scalar()
+def claim(c: Connection, *, run_id: int, name: str, keys: tuple[str, ...], key_hash: str) -> int | None:
+    """Claim a name for the run with its forms `keys`: its new contributor's id, or None when one of
+    them is already held (by a concurrent registration too: the (run_id, key, seat) key decides, in
+    any process; forms are taken in sorted order, so two claims never wait on each other)."""
+    contributor_id = c.execute(insert(Contributor).values(run_id=run_id, name=name, key_hash=key_hash)
+                               .returning(Contributor.id)).scalar_one()
+    for key in sorted(keys):
+        held = c.execute(_insert(c, ContributorKey).values(run_id=run_id, key=key, seat=0,
+                                                           contributor_id=contributor_id)
+                         .on_conflict_do_nothing().returning(ContributorKey.key)).scalar()
+        if held is None:  # taken: the claim is undone (no savepoint: SQLite's driver handles none well)
+            c.execute(delete(ContributorKey).where(ContributorKey.contributor_id == contributor_id))
+            c.execute(delete(Contributor).where(Contributor.id == contributor_id))
+            return None
+    return contributor_id
 
 
 # -- moved with the ledger (queries/workers.py) ---------------------------------------------------

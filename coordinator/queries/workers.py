@@ -15,7 +15,8 @@ from coordinator.queries import stats as stat_rows
 
 # the columns a request needs of its worker (the rest are the ledger's)
 _BY_TOKEN = select(Worker.id, Worker.run_id, Worker.revoked, Worker.standing, Worker.standing_reason,
-                   Worker.last_seen, Worker.last_lease_at).where(Worker.token_hash == bindparam("token"))
+                   Worker.last_seen, Worker.last_lease_at, Worker.team_id
+                   ).where(Worker.token_hash == bindparam("token"))
 _SEEN = update(Worker).where(Worker.id == bindparam("worker")).values(last_seen=bindparam("now"))
 _LEASED = update(Worker).where(Worker.id == bindparam("worker")).values(last_lease_at=bindparam("now"))
 _DELIVERED = update(Worker).where(Worker.id == bindparam("worker")).values(
@@ -26,7 +27,8 @@ _WORKER = select(Worker.__table__)
 
 
 def by_token(c: Connection, token_hash: str) -> Row | None:
-    """(id, run_id, revoked, standing, standing_reason, last_seen, last_lease_at) of a token's worker."""
+    """(id, run_id, revoked, standing, standing_reason, last_seen, last_lease_at, team_id) of a token's
+    worker."""
     return c.execute(_BY_TOKEN, {"token": token_hash}).first()
 
 
@@ -45,9 +47,9 @@ def delivered(c: Connection, worker_id: int, *, tokens: int, size: int) -> None:
 
 
 def insert_worker(c: Connection, *, run_id: int, token_hash: str, name: str | None, team: str | None,
-                  device: str | None, contributor_id: int | None = None) -> int:
+                  device: str | None, contributor_id: int | None = None, team_id: int | None = None) -> int:
     return c.execute(insert(Worker).values(run_id=run_id, token_hash=token_hash, name=name, team=team,
-                                           device=device, contributor_id=contributor_id)
+                                           device=device, contributor_id=contributor_id, team_id=team_id)
                      .returning(Worker.id)).scalar_one()
 
 

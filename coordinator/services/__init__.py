@@ -7,6 +7,7 @@
     recovery.py     RecoveryService: live models from checkpoints and a replay, the reference round,
                     the newest snapshot, pruning what every kept checkpoint holds
     workers.py      WorkerService: register, authenticate, list / revoke / readmit, standing (trust)
+    teams.py        TeamService: the operator's registered teams (create, list, delete); a registration's team
     leases.py       LeaseService: grant (the SQL shard pick), renew, release, expire
     downloads.py    DownloadService: snapshots, model updates (and the workers' copies they make, with
                     update_feedback), shards, the run's tokenizer

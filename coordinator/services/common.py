@@ -21,6 +21,7 @@ class Caller:
     standing_reason: str | None
     last_seen: datetime
     last_lease_at: datetime | None
+    team_id: int | None = None  # set: a verified member of that registered team
 
 
 def hash_secret(secret: str) -> str:

@@ -17,6 +17,7 @@ from coordinator.services.reports import ReportService
 from coordinator.services.runs import RunService
 from coordinator.services.spotchecks import SpotCheckService
 from coordinator.services.stats import StatsService
+from coordinator.services.teams import TeamService
 from coordinator.services.uploads import UploadService
 from coordinator.services.workers import WorkerService
 from coordinator.settings import CoordinatorSettings
@@ -29,7 +30,7 @@ log = logging.getLogger(__name__)
 class Coordinator:
     """The database, the blob storage, the live models and the services over them, one per resource:
     `runs`, `recovery`, `workers`, `leases`, `downloads`, `uploads`, `exchanges`, `reports`, `lifecycle`,
-    `stats`, `spotchecks`."""
+    `stats`, `spotchecks`, `teams`."""
 
     def __init__(self, settings: CoordinatorSettings) -> None:
         self.settings = settings
@@ -61,6 +62,7 @@ class Coordinator:
             in_flight=limits.InFlight(settings.max_concurrent_exchanges, what="exchanges"))
         self.reports = ReportService(self.db, traffic=self.traffic, recovery=self.recovery)
         self.stats = StatsService(self.db)
+        self.teams = TeamService(self.db)
         self.lifecycle = LifecycleService(self.db, self.storage, live=self.live, recovery=self.recovery,
                                           reports=self.reports)
 

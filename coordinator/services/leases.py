@@ -17,6 +17,7 @@ from coordinator.errors import (Conflict, Forbidden, Gone, TooManyRequests, Unpr
 from coordinator.models import utcnow
 from coordinator.queries import leases as lease_rows
 from coordinator.queries import runs as run_rows
+from coordinator.queries import teams as team_rows
 from coordinator.queries import workers as worker_rows
 from coordinator.ratelimit import RateLimiter
 from coordinator.services.common import Caller, aware, named_run, owned, rate_limit
@@ -168,13 +169,7 @@ class LeaseService:
         # says the lease's delta is on its way.
         lease_rows.abandon_others(c, worker.id, keep=keep)
         if client is not None:  # counted after the worker's own earlier leases were given up
-            held = lease_rows.of_client(c, run.id, client, utcnow())
-            if held >= self.settings.max_leases_per_address:
-                c.rollback()  # nothing changes: the earlier leases stay live
-                raise TooManyRequests(
-                    f"address {client} holds {held} live leases of run {run.name!r}, the most one address "
-                    f"may hold (max_leases_per_address); ask again when one of them is delivered",
-                    retry_after=self.ADDRESS_RETRY_S)
+            self._check_address(c, run, worker, client)
         claimed = pick_shard(c, self._claim, run.id, run.epoch, max_epochs=run.max_epochs)
         if claimed is Retry.EXHAUSTED:
             self._finishing(c, run, f"its {run.max_epochs} epoch(s) over the data are trained")
@@ -196,6 +191,23 @@ class LeaseService:
             compression=protocol.lease_compression(cfg), model=cfg.model.to_dict(), deadline=deadline,
             algorithm=cfg.algorithm, sparta=cfg.sparta, init_seed=cfg.seed,
             token_dtype=cfg.tokens.dtype, tokenizer_sha256=cfg.tokens.tokenizer_sha256)
+
+    def _check_address(self, c: Connection, run: Row, worker: Caller, client: str) -> None:
+        """429 (rolled back: the earlier leases stay live) when `client` holds its cap of the run's live
+        leases: max_leases_per_address for workers of no registered team; a verified member's team
+        has its own count at the address, and its own cap (team_rows.lease_cap, else the same)."""
+        held = lease_rows.of_client(c, run.id, client, utcnow(), team_id=worker.team_id)
+        cap = self.settings.max_leases_per_address
+        if worker.team_id is not None:
+            cap = team_rows.lease_cap(c, worker.team_id) or cap
+        if held < cap:
+            return
+        c.rollback()
+        whose = "its team's members" if worker.team_id is not None else "workers of no registered team"
+        raise TooManyRequests(
+            f"address {client} holds {held} live leases of run {run.name!r} by {whose}, the most allowed "
+            f"({cap}: max_leases_per_address, or the team's own cap; a lab behind one address: ask the operator "
+            "for a team key, --team-key); ask again when one of them is delivered", retry_after=self.ADDRESS_RETRY_S)
 
     def renew(self, lease_id: int, worker: Caller, *, step: int | None = None,
               now: datetime | None = None) -> protocol.LeaseRenewed:

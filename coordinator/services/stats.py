@@ -69,18 +69,20 @@ class StatsService:
         return stats.summary(run.name, day, of_day, up_to)
 
     def history(self, run_name: str, name: str) -> stats.ContributorHistory:
-        """A contributor's days, found by its name as compared at registration (names.name_key)."""
+        """A contributor's days, found by its name as compared at registration (names.name_keys): the
+        contributor of that exact name, else the oldest that looks like it."""
         try:
-            key = names.name_key(names.clean(name) or "")
+            keys = names.name_keys(names.clean(name) or "")
         except ValueError as exc:
             raise Unprocessable(str(exc)) from None
         with self.db.read() as c:
             run = self._run(c, run_name)
-            found = stat_rows.contributor(c, run.id, key)
-            shown = found.name if found is not None else name.strip()  # a worker named before names were claimed
+            found = stat_rows.holders(c, run.id, keys)
+            exact = [h for h in found if h.name == name.strip()]
+            shown = (exact or found)[0].name if found else name.strip()  # a worker named before names were claimed
             rows = stat_rows.history(c, run.id, shown)
             teams = stat_rows.teams_of(c, run.id, shown)
-        if found is None and not rows and not teams:
+        if not found and not rows and not teams:
             raise NotFound(f"run {run_name!r} has no contributor named {name!r}")
         return stats.history(shown, teams, rows)
 

@@ -4,7 +4,8 @@ standing (coordinator/trust.py) from what merging and the refusals made of its w
 Contributor names are unique per run, compared folded (coordinator/names.py): the first worker to
 register a name claims it, and is answered its contributor key (a generated one, unless it brought
 its own); a later worker joins under that name only with that key, and shows the name as first
-claimed. Unnamed workers are anonymous: never compared. Team names are shared, never unique."""
+claimed. Unnamed workers are anonymous: never compared. Team names are shared, never unique, but
+for the teams the operator registered, which are taken only with their key (services/teams.py)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from coordinator.queries import stats as stat_rows
 from coordinator.queries import workers as worker_rows
 from coordinator.ratelimit import RateLimiter, client_key
 from coordinator.services.common import Caller, aware, aware_or_none, hash_secret, named_run
+from coordinator.services.teams import team_of
 from coordinator.traffic import Traffic
 from shared import protocol
 from shared.config import RunConfig
@@ -52,8 +54,8 @@ def _abandon_leases(c: Connection, worker_id: int) -> None:
 
 def _info(w: Row) -> protocol.WorkerInfo:
     return protocol.WorkerInfo(
-        worker_id=w.id, name=w.name, team=w.team, device=w.device, standing=w.standing,
-        standing_reason=w.standing_reason, revoked=w.revoked, created_at=aware(w.created_at),
+        worker_id=w.id, name=w.name, team=w.team, team_verified=w.team_id is not None, device=w.device,
+        standing=w.standing, standing_reason=w.standing_reason, revoked=w.revoked, created_at=aware(w.created_at),
         last_seen=aware(w.last_seen), tokens_trained=w.tokens_trained, deltas_accepted=w.deltas_accepted,
         deltas_rejected=w.deltas_rejected, bytes_up=w.bytes_up, bytes_down=w.bytes_down, credit=w.credit or 0.0)
 
@@ -72,7 +74,7 @@ class WorkerService:
             raise TooManyRequests(f"too many registrations from {key}; retry in {wait:.1f} s", retry_after=wait)
         try:  # names anyone's page shows: refused (422) when they cannot be shown as plain text
             name, team = names.clean(req.name), names.clean(req.team, what="team")
-            name_key = names.name_key(name) if name is not None else None
+            name_keys = names.name_keys(name) if name is not None else ()
         except ValueError as exc:
             raise Unprocessable(str(exc)) from None
         with self.db.begin() as c:
@@ -82,35 +84,43 @@ class WorkerService:
                     raise Unauthorized(f"run {run_name!r} requires a join key (--join-key)")
                 if not secrets.compare_digest(hash_secret(req.join_key), run.join_key_hash):
                     raise Forbidden("wrong join key")
+            team, team_id = team_of(c, team, req.team_key)
             contributor_id, contributor_key = None, None
             if name is not None:
                 name, contributor_id, contributor_key = self._contributor(
-                    c, run.id, run_name, name=name, name_key=name_key, key=req.contributor_key)
+                    c, run.id, run_name, name=name, keys=name_keys, key=req.contributor_key)
             token = secrets.token_urlsafe(32)
             worker_id = worker_rows.insert_worker(c, run_id=run.id, token_hash=hash_secret(token), name=name,
-                                                  team=team, device=req.device, contributor_id=contributor_id)
+                                                  team=team, device=req.device, contributor_id=contributor_id,
+                                                  team_id=team_id)
         return protocol.RegisterResponse(worker_id=worker_id, token=token, contributor_key=contributor_key)
 
     @staticmethod
-    def _contributor(c: Connection, run_id: int, run_name: str, *, name: str, name_key: str,
+    def _contributor(c: Connection, run_id: int, run_name: str, *, name: str, keys: tuple[str, ...],
                      key: str | None) -> tuple[str, int, str | None]:
         """(the name the worker shows, its contributor's id, the contributor key to answer): `name`
         claimed now (with `key`, else a generated key, answered once), or joined with its `key`; 409
-        for a name taken without its key, 403 for a wrong key."""
+        for a name taken without its key, 403 for a wrong key. Where names claimed before the forms
+        compared last changed share a form, `key` picks which of them it joins."""
         secret = key or secrets.token_urlsafe(16)
-        claimed = stat_rows.claim(c, run_id=run_id, name=name, name_key=name_key, key_hash=hash_secret(secret))
+        claimed = stat_rows.claim(c, run_id=run_id, name=name, keys=keys, key_hash=hash_secret(secret))
         if claimed is not None:
             return name, claimed, None if key else secret
-        holder = stat_rows.contributor(c, run_id, name_key)
+        holders = stat_rows.holders(c, run_id, keys)
+        if not holders:  # the name it collided with was let go that instant
+            raise Conflict(f"the name {name!r} was being claimed in run {run_name!r} at the same moment; "
+                           "register again")
+        holder = holders[0]
         if key is None:
             shown = "" if holder.name == name else f" (as {holder.name!r}: names are compared ignoring case, " \
-                                                   "width, invisible characters and lookalike letters)"
+                                                   "width, accents, invisible characters and lookalike letters)"
             raise Conflict(f"the name {name!r} is taken in run {run_name!r}{shown}. If it is yours, add this "
                            "machine with the contributor key your first registration printed "
                            "(--contributor-key KEY); otherwise choose another name")
-        if not secrets.compare_digest(hash_secret(key), holder.key_hash):
-            raise Forbidden(f"wrong contributor key for the name {holder.name!r} in run {run_name!r}")
-        return holder.name, holder.id, None
+        for h in holders:
+            if secrets.compare_digest(hash_secret(key), h.key_hash):
+                return h.name, h.id, None
+        raise Forbidden(f"wrong contributor key for the name {holder.name!r} in run {run_name!r}")
 
     def authenticate(self, token: str | None) -> Caller:
         if not token:

@@ -9,6 +9,7 @@ One module per audience; each registers its own subcommands on the parser `build
     model.py       a run's model: export (.safetensors or a Hugging Face folder), sample
     lifecycle.py   a run's lifecycle: run set|finish|archive|delete; token counts (2e9, 500M)
     stats.py       stats export|daily: a run's daily summary (like Folding@home's) and daily rows
+    teams.py       team create|list|delete: registered teams (a key, verified members, a lease cap)
     data.py        data prepare: a corpus into token shards and a manifest (shared/dataset.py)
     client.py      OperatorClient: the one HTTP client of operator.py (base URL, admin token, errors)
     developer.py   demo; bench (forwards to `python -m bench` in a source checkout)
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 import argparse
 
-from idletrain.cli import data, developer, lifecycle, model, operator, serve, stats, volunteer
+from idletrain.cli import data, developer, lifecycle, model, operator, serve, stats, teams, volunteer
 from idletrain.cli.common import setup_logging
 
 
@@ -33,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     operator.register_status(sub)
     model.register(sub)
     stats.register(sub)
+    teams.register(sub)
     data.register(sub)
     developer.register(sub)
     return p

