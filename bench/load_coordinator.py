@@ -56,6 +56,7 @@ class Database:
 COORDINATOR_ENV = {
     "IDLETRAIN_REGISTER_RATE": "0",  # every simulated worker registers from 127.0.0.1
     "IDLETRAIN_MAX_LEASES_PER_ADDRESS": "100000",  # ... and leases from it: up to 1000 at once
+    "IDLETRAIN_MAX_CONNECTIONS_PER_ADDRESS": "100000",  # ... and connects from it: one connection each
     "IDLETRAIN_SNAPSHOT_KEEP": "4",  # disk: a 124M snapshot is ~460 MB
     # what an operator of a 124M run sets (docs/operations.md, settings.snapshot_every): a snapshot takes seconds
     # of CPU and a 460 MB fsync, so one per merge batch would starve the uploads' fsyncs

@@ -21,6 +21,8 @@
     stats.py        contributors' stats (pure): daily rows, history, the daily summary, run progress
     ratelimit.py    per-worker (and per-address) token buckets -> 429 + Retry-After
     limits.py       HTTP-layer bounds: body caps, uploads and exchanges in flight, validation slots
+    connections.py  the HTTP server's bounds per connection: head deadline, body rate floor, connections
+                    per address (the uvicorn protocol `serve` runs); connection_bounds.py their rules (pure)
     traffic.py      bytes moved, counted in memory and written once a second
     leader.py       which process merges: the merger lock, leader.json
     timing.py       Server-Timing: where each answer's time went

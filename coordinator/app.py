@@ -11,12 +11,10 @@ import contextlib
 import logging
 import os
 import re
-import socket
 import threading
 
 import torch
 from fastapi import Depends, FastAPI
-from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 from coordinator import admin, hosts, leader, limits, timing
 from coordinator.api import (dashboard, deps, downloads, errors, exchanges, leases, metrics, relay, reports, runs,
@@ -184,18 +182,3 @@ def app_from_environment() -> FastAPI:
         raise SystemExit(f"idletrain: {exc}") from None
     return create_app(settings)
 
-
-class NoDelayHTTP(AutoHTTPProtocol):
-    """uvicorn's HTTP protocol, with TCP_NODELAY on every connection.
-
-    asyncio turns Nagle's algorithm off only on sockets whose `proto` is IPPROTO_TCP. With several
-    processes uvicorn binds the listening socket itself as socket.socket(family) (proto 0), so the
-    connections it accepts keep Nagle on: a response written as headers then body waits for the
-    client's delayed ACK on every request. `serve` passes this class to uvicorn either way."""
-
-    def connection_made(self, transport) -> None:  # type: ignore[override]
-        sock = transport.get_extra_info("socket")
-        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
-            with contextlib.suppress(OSError):
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        super().connection_made(transport)

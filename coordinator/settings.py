@@ -60,6 +60,31 @@ class CoordinatorSettings(BaseSettings):
     # get 503. 200 idle-slow connections never timed out before body_timeout_s; this caps what is left.
     limit_concurrency: int = Field(1024, ge=16, le=1 << 20, description="connections and requests one coordinator "
                                    "process serves at once (uvicorn limit_concurrency); over it: 503")
+    # The connection's own bounds (coordinator/connections.py), below the app: a socket that sends nothing,
+    # a head or a body that trickles, and one address holding many connections. 1,100 idle sockets made
+    # every other request 503 while they stayed open; 10 B/s bodies held their connections for minutes.
+    head_timeout_s: float = Field(20.0, gt=0, le=600, description="seconds a request's head (request line and "
+                                  "headers, well under 1 KB from a worker) may take to arrive in full, from the "
+                                  "connection's start, or from its first byte on a kept-alive connection; then 408 "
+                                  "and close (a connection that sent nothing is closed)")
+    body_grace_s: float = Field(10.0, ge=0, le=600, description="seconds a request body may arrive at any pace "
+                                "before min_body_bytes_per_s applies (a TCP connection's slow start, a worker "
+                                "resuming from sleep)")
+    # 2 KiB/s is 16 kbit/s: a 1 Mbit/s home uplink is 60 times it, and a worker's --max-upload-kbps is at
+    # least 64 (8 KB/s: a delta and exchanges at once still get the floor each). A floor of 1 MB/s would
+    # cut off a volunteer on such a link mid-delta (64 MiB at 1 Mbit/s take ~9 minutes); 10 B/s, the
+    # trickle that held connections for minutes, is cut when the grace ends.
+    min_body_bytes_per_s: int = Field(2048, ge=0, le=1 << 30, description="a request body must keep this average "
+                                      "rate after body_grace_s (bytes since it began >= rate x (seconds - grace); "
+                                      "time the coordinator itself stops reading does not count), else 408 and "
+                                      "close; 0 turns it off. A body that stops entirely meets body_timeout_s first")
+    # 128 of limit_concurrency's 1024: a lab of 32 workers (max_leases_per_address) behind one NAT address
+    # uses a few each; one address can no longer fill the process. Believed proxies are exempt (every
+    # connection through nginx comes from nginx's address: nginx applies the limit, deploy/nginx/).
+    max_connections_per_address: int = Field(128, ge=1, le=1 << 20, description="connections one client address "
+                                             "(an IPv6 address by its /64) may hold open at once in one process; "
+                                             "past it a new one gets 503 and is closed at once. The proxies of "
+                                             "forwarded_allow_ips are exempt")
     snapshot_keep: int = Field(32, ge=2, description="recent snapshot versions kept on disk (a worker whose "
                                                      "last version is among them downloads only the change)")
     update_copies_keep: int = Field(64, ge=1, description="workers' model copies kept per run with update_feedback "
@@ -152,6 +177,14 @@ class CoordinatorSettings(BaseSettings):
                 raise ValueError(f"{part!r} is not an address or network: list the reverse proxy's addresses, "
                                  "e.g. 127.0.0.1 or 10.0.0.0/8 (`*` believes anyone)") from None
         return ",".join(parts)
+
+    @property
+    def believed_proxies(self) -> tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...] | None:
+        """forwarded_allow_ips as networks (an address is its own /32 or /128); None for `*` (anyone)."""
+        parts = [part for part in self.forwarded_allow_ips.split(",") if part]
+        if "*" in parts:
+            return None
+        return tuple(ipaddress.ip_network(part, strict=False) for part in parts)
 
     @property
     def resolved_database_url(self) -> str:

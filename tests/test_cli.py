@@ -316,12 +316,43 @@ def test_serve_believes_x_forwarded_for_only_from_the_proxies_named(tmp_path, mo
                          ids=["one process", "processes"])
 def test_serve_bounds_connections_keep_alive_and_request_heads(tmp_path, monkeypatch, extra):
     """Issue 18: 200 slow connections were never timed out; uvicorn ran with no concurrency limit."""
+    import pickle
+
+    from coordinator.connections import ConnectionGuard, GuardedHTTP
+
+    monkeypatch.delenv("IDLETRAIN_MAX_CONNECTIONS_PER_ADDRESS", raising=False)
+    monkeypatch.delenv("IDLETRAIN_FORWARDED_ALLOW_IPS", raising=False)
     monkeypatch.delenv("IDLETRAIN_LIMIT_CONCURRENCY", raising=False)
     got = _serve_captured(tmp_path, monkeypatch, *extra)
     assert (got["limit_concurrency"], got["timeout_keep_alive"], got["h11_max_incomplete_event_size"]) == (
         1024, 75, 16 << 10)
+    # the protocol: the connection guard with the settings' bounds, a copy of it in each process
+    guard = pickle.loads(pickle.dumps(got["http"]))
+    assert isinstance(guard, ConnectionGuard) and guard.protocol is GuardedHTTP
+    assert (guard.limits.head_timeout_s, guard.limits.body_grace_s, guard.limits.min_body_bytes_per_s,
+            guard.limits.max_per_address, guard.limits.exempt) == (20, 10, 2048, 128, ())
     monkeypatch.setenv("IDLETRAIN_LIMIT_CONCURRENCY", "64")
-    assert _serve_captured(tmp_path, monkeypatch, *extra)["limit_concurrency"] == 64
+    monkeypatch.setenv("IDLETRAIN_MAX_CONNECTIONS_PER_ADDRESS", "16")
+    got = _serve_captured(tmp_path, monkeypatch, *extra, "--forwarded-allow-ips", "127.0.0.1")
+    assert got["limit_concurrency"] == 64 and got["http"].limits.max_per_address == 16
+    assert not got["http"].limits.capped("127.0.0.1") and got["http"].limits.capped("127.0.0.2")
+
+
+def test_serve_raises_its_open_files_limit_and_says_when_it_cannot_reach_what_it_needs(monkeypatch, caplog):
+    import logging
+    import resource
+
+    from idletrain.cli.serve import SPARE_FILES, raise_open_files
+
+    calls = []
+    monkeypatch.setattr(resource, "getrlimit", lambda _: (1024, 4096))
+    monkeypatch.setattr(resource, "setrlimit", lambda _, limits: calls.append(limits))
+    with caplog.at_level(logging.WARNING, logger="idletrain"):
+        raise_open_files(1024)
+    assert calls == [(4096, 4096)] and not caplog.records  # soft raised to the hard limit, enough
+    with caplog.at_level(logging.WARNING, logger="idletrain"):
+        raise_open_files(4096)  # 4096 + SPARE_FILES > the hard limit
+    assert f"open files are limited to 4096 per process, below the {4096 + SPARE_FILES}" in caplog.text
 
 
 def test_serve_refuses_a_proxy_list_that_is_not_addresses(tmp_path, capsys, monkeypatch):

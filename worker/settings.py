@@ -102,7 +102,10 @@ class WorkerSettings(BaseSettings):
     max_other_load: float = Field(0.3, gt=0, le=1, description="with when=idle and no input idle time to go by: "
                                                                "the machine is busy while other processes use more "
                                                                "than this share of its CPUs")
-    max_upload_kbps: float | None = Field(None, gt=0, description="upload limit, kilobits/s (1000 = 125 KB/s)")
+    # 64 kbit/s = 8 KB/s: a coordinator cuts off a request body slower than 2 KB/s by default
+    # (min_body_bytes_per_s), and a worker may send a delta and sparse exchanges at once, sharing this
+    max_upload_kbps: float | None = Field(None, ge=64, description="upload limit, kilobits/s (1000 = 125 KB/s); at "
+                                          "least 64, since coordinators cut off uploads slower than 16 kbit/s")
     max_download_kbps: float | None = Field(None, gt=0, description="download limit, kilobits/s")
     daily_transfer_mb: float | None = Field(None, gt=0, description="bytes sent + received per UTC day, in MB "
                                                                     "(10^6 bytes); when reached, pause until 00:00 UTC")

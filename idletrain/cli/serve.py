@@ -23,17 +23,50 @@ def proxy_options(settings) -> dict:
     return {"proxy_headers": True, "forwarded_allow_ips": settings.forwarded_allow_ips}
 
 
-MAX_HEADER_BYTES = 16 << 10  # a request line and headers of ours are well under 1 KB; h11's default, stated
-
-
 def limit_options(settings) -> dict:
     """uvicorn's bounds for `serve` (both the one-process and the --processes N path): connections and
     requests in flight per process (settings.limit_concurrency; past it, 503), idle keep-alive
-    (keep_alive_s), and the size of a request's head with the h11 protocol (the httptools one has its
-    own fixed limits). Bodies are bounded by the app itself (max_json_bytes, max_upload_bytes and
-    body_timeout_s: coordinator/limits.py, coordinator/api/uploads.py)."""
+    (keep_alive_s), the size of a request's head with the h11 protocol, and the HTTP protocol itself:
+    a ConnectionGuard (coordinator/connections.py), which bounds what each connection holds without
+    a request (head_timeout_s, min_body_bytes_per_s after body_grace_s, max_connections_per_address).
+    Bodies are bounded by the app itself too (max_json_bytes, max_upload_bytes and body_timeout_s:
+    coordinator/limits.py, coordinator/api/uploads.py)."""
+    from coordinator.connection_bounds import MAX_HEAD_BYTES, ConnectionLimits
+    from coordinator.connections import ConnectionGuard
+
     return {"limit_concurrency": settings.limit_concurrency, "timeout_keep_alive": settings.keep_alive_s,
-            "h11_max_incomplete_event_size": MAX_HEADER_BYTES}
+            "h11_max_incomplete_event_size": MAX_HEAD_BYTES,
+            "http": ConnectionGuard(ConnectionLimits.from_settings(settings))}
+
+
+# descriptors a process holds besides its connections: the database pool, blobs read and written,
+# the listening socket, the merger lock's connection, logs
+SPARE_FILES = 256
+
+
+def raise_open_files(connections: int) -> None:
+    """Raise this process's soft limit on open files to its hard one (the --processes N inherit it): a
+    coordinator out of descriptors accepts no connection, as down as one flooded. A log line says so
+    when the limit stays below `connections` (limit_concurrency) plus SPARE_FILES."""
+    try:
+        import resource
+    except ImportError:  # Windows: no such limit
+        return
+    need = connections + SPARE_FILES
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    unlimited = resource.RLIM_INFINITY
+    target = max(soft, need) if hard == unlimited else hard  # macOS refuses an unlimited soft limit
+    if soft != unlimited and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError) as exc:
+            log.warning("cannot raise the open-files limit from %d to %d: %s", soft, target, exc)
+    if soft != unlimited and soft < need:
+        log.warning("open files are limited to %d per process, below the %d that limit_concurrency %d needs "
+                    "(plus %d for the database and blobs): past it new connections wait. Raise the hard limit "
+                    "(`ulimit -Hn`, LimitNOFILE= in a systemd unit) or lower IDLETRAIN_LIMIT_CONCURRENCY",
+                    soft, need, connections, SPARE_FILES)
 
 
 def cmd_coordinator_serve(args: argparse.Namespace) -> int:
@@ -41,7 +74,7 @@ def cmd_coordinator_serve(args: argparse.Namespace) -> int:
         return missing
     import uvicorn
 
-    from coordinator.app import NoDelayHTTP, create_app
+    from coordinator.app import create_app
     from coordinator.db import driver_url
     from coordinator.settings import CoordinatorSettings
     from shared.extras import MissingExtra
@@ -79,10 +112,11 @@ def cmd_coordinator_serve(args: argparse.Namespace) -> int:
     log.info("coordinator on http://%s:%d, data in %s, %d process(es)", settings.host, settings.port,
              settings.data_dir.resolve(), settings.processes)
     level, access = args.log_level.lower(), args.log_level.upper() == "DEBUG"
+    raise_open_files(settings.limit_concurrency)
     if settings.processes == 1:
         settings = settings.model_copy(update={"relay": shared_db})  # other coordinators may join the database
         uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=level, access_log=access,
-                    http=NoDelayHTTP, **proxy_options(settings), **limit_options(settings))
+                    **proxy_options(settings), **limit_options(settings))
         return 0
     # uvicorn's supervisor starts the processes (and restarts one that dies); each builds its app
     # from the environment, so the settings travel as IDLETRAIN_* variables.
@@ -94,7 +128,7 @@ def cmd_coordinator_serve(args: argparse.Namespace) -> int:
     patient = ({"timeout_worker_healthcheck": 60}
                if "timeout_worker_healthcheck" in inspect.signature(uvicorn.run).parameters else {})
     uvicorn.run("coordinator.app:app_from_environment", factory=True, workers=settings.processes, host=settings.host,
-                port=settings.port, log_level=level, access_log=access, http=NoDelayHTTP, **patient,
+                port=settings.port, log_level=level, access_log=access, **patient,
                 **proxy_options(settings), **limit_options(settings))
     return 0
 

@@ -1,4 +1,4 @@
-"""coordinator.app.NoDelayHTTP: uvicorn's HTTP protocol with Nagle's algorithm off on every
+"""coordinator.connections.NoDelayHTTP: uvicorn's HTTP protocol with Nagle's algorithm off on every
 connection, also on a listening socket bound the way uvicorn binds it for several processes
 (socket.socket(family): proto 0, where asyncio itself leaves Nagle on)."""
 
@@ -11,7 +11,7 @@ import uvicorn
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 from uvicorn.server import ServerState
 
-from coordinator.app import NoDelayHTTP
+from coordinator.connections import NoDelayHTTP
 
 
 async def _app(scope, receive, send):  # never called: only connections are made

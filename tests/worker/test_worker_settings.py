@@ -82,6 +82,8 @@ def test_worker_settings_alone_read_no_file(tmp_path):
     ('coordinator = "http://c"\nrun = "r"\nwhen = "sometimes"\n', ["when"]),
     ('coordinator = "http://c"\nrun = "r"\nidle_minuts = 3\n', ["idle_minuts", "not a worker setting"]),
     ('coordinator = "http://c"\nrun = "r"\nmax_upload_kbps = -1\n', ["max_upload_kbps"]),
+    # below 64 kbit/s a coordinator's body rate floor (2 KB/s by default) would cut every delta off
+    ('coordinator = "http://c"\nrun = "r"\nmax_upload_kbps = 10\n', ["max_upload_kbps", "64"]),
 ])
 def test_bad_values_in_the_file_are_named(tmp_path, text, words):
     with pytest.raises(ValidationError) as info:
