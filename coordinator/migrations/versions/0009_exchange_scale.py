@@ -5,7 +5,7 @@ so that its predicted loss increase stayed within the guard's budget (shared/alg
 a restart replays it as recorded. Rows from before it (NULL) replay at 1.
 
 Revision ID: 0009
-Revises: 0006
+Revises: 0007
 Create Date: 2026-12-04 23:10:00
 """
 
@@ -16,7 +16,7 @@ from alembic import op
 
 
 revision = '0009'
-down_revision = '0006'
+down_revision = '0007'
 branch_labels = None
 depends_on = None
 
