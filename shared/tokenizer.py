@@ -10,7 +10,8 @@ Two kinds:
             the operator brings (`Tokenizer.from_file`).
 
 The file travels to workers as a content-hashed blob (`sha256` of `to_json()`'s UTF-8), never from
-a hub; a worker checks what it receives (`from_served`: size, form, vocab) before keeping it. Token ids are stored in the narrowest dtype that holds the vocab (`token_dtype`).
+a hub; a worker checks what it receives (`from_served`: size, form, vocab) before keeping it. Token
+ids are stored in the narrowest dtype that holds the vocab (`token_dtype`).
 """
 
 from __future__ import annotations
@@ -220,5 +221,5 @@ def describe(tok: Tokenizer) -> dict:
             "eot_id": tok.eot_id}
 
 
-__all__ = ["EOT", "Tokenizer", "bytes_tokenizer", "describe", "from_served", "load", "max_json_bytes", "token_byte_lengths",
-           "token_dtype", "train_bpe"]
+__all__ = ["EOT", "Tokenizer", "bytes_tokenizer", "describe", "from_served", "load", "max_json_bytes",
+           "token_byte_lengths", "token_dtype", "train_bpe"]
