@@ -43,7 +43,7 @@ from worker.throttle import TokenBucket, paced
 log = logging.getLogger(__name__)
 
 MAX_RETRY_AFTER_S = 600.0  # a Retry-After longer than this is taken as this
-MACHINE_CAP = "this worker's download cap allows (--max-params, --max-memory)"
+MACHINE_CAP_TEXT = "this worker's download cap allows (--max-params, --max-memory)"  # what an answer over it says
 
 
 def backoff_delay(attempt: int) -> float:
@@ -174,7 +174,7 @@ class CoordinatorClient:
         self._http.close()
 
     def _request(self, method: str, url: str, *, max_retries: int | None = None, max_bytes: int | None = None,
-                 expected: str = MACHINE_CAP, **kw) -> httpx.Response:
+                 expected: str = MACHINE_CAP_TEXT, **kw) -> httpx.Response:
         """`max_bytes`: the most the answer can weigh, `expected` saying why (within max_download_bytes)."""
         headers = kw.pop("headers", {})
         if self.token:
@@ -221,7 +221,7 @@ class CoordinatorClient:
         if max_bytes is not None and max_bytes < cap:
             cap = max_bytes
         else:
-            expected = MACHINE_CAP
+            expected = MACHINE_CAP_TEXT
         resp = self._http.send(request, stream=True)
         try:
             body = read_body(resp, cap=cap, what=f"{method} {url}", expected=expected, bucket=self.download_bucket,
