@@ -38,4 +38,7 @@ here when this folder is importable.
     numbers.py             rounding of reported numbers (significant digits, percentiles)
     sizing.py              docs/sizing.md's table: memory, disk, bandwidth per model size and round, from
                            the code's estimators (`python -m bench.sizing` prints it; a test compares)
+    hostile.py             docs/reliability.md's hostile-coordinator and oversized-record figures: a real
+                           worker against 3 GiB answers, `data prepare` of one huge line (`python -m
+                           bench.hostile` prints them)
 """

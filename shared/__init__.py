@@ -6,7 +6,8 @@ installed, pyarrow for .parquet input, and the standard library only).
     llama.py      the Llama-style decoder (RMSNorm, rotary positions, SwiGLU, grouped-query attention)
     data.py       corpus -> byte tokens -> shards (deterministic), held-out split, batches
     tokenizer.py  the run's tokenizer: bytes (id = byte) or BPE, as a tokenizers JSON; train, load, hash
-    sources.py    a corpus on disk streamed as texts: text file, folder, .jsonl, .parquet; input errors
+    sources.py    a corpus on disk streamed as texts: text file, folder, .jsonl, .parquet; the record
+                  limit (max_record_bytes); input errors
     dataset.py    prepared datasets: prepare (stream -> token shard files + manifest), read, verify
     config.py     RunConfig and its parts (InnerConfig, CompressionConfig, OuterConfig)
     protocol.py   the JSON contract of /api/v1 and its version

@@ -15,6 +15,7 @@ from shared.data import BUILTIN
 from shared.model import ModelConfig
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
+MAX_SHARD_TOKENS = 1 << 30  # RunConfig.shard_tokens at most: what a worker caps a shard's download at
 
 
 class _Strict(BaseModel):
@@ -318,7 +319,7 @@ class RunConfig(_OmitsDefaults):
                                                "coordinator's disk (its tokenizer, shards and held-out split)")
     tokens: TokensConfig = Field(default_factory=TokensConfig, description="set by the coordinator (TokensConfig)")
     corpus_max_bytes: int = Field(16 << 20, ge=1 << 16, le=1 << 36)
-    shard_tokens: int = Field(1 << 18, ge=1024, le=1 << 30, description="tokens per data shard")
+    shard_tokens: int = Field(1 << 18, ge=1024, le=MAX_SHARD_TOKENS, description="tokens per data shard")
     shuffle_shards: bool = Field(True, description="number the shards (the order leases hand them out in) in an "
                                                    "order shuffled by the run's seed; false: the corpus's own order")
     lease_ttl_s: float = Field(600.0, gt=0, le=7 * 86400, description="a lease expires after this")

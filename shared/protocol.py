@@ -58,7 +58,14 @@ class Health(BaseModel):
     min_api_version: int | None = Field(None, description="the oldest worker API served; api_version is the newest "
                                                           "(absent, from an older coordinator: only api_version)")
     worker_install: str | None = Field(None, description="what a worker outside the range installs")
-    max_upload_bytes: int | None = Field(None, description="the largest delta body accepted")
+    max_upload_bytes: int | None = Field(None, description="the largest delta body accepted (a worker reads "
+                                                           "anything but 1..2^63-1 as not said)")
+
+    @field_validator("max_upload_bytes", mode="before")
+    @classmethod
+    def _a_cap_or_none(cls, v):
+        """A cap of 0, -1, 10^30 or a string says nothing a worker can act on: it is taken as not said."""
+        return v if isinstance(v, int) and not isinstance(v, bool) and 0 < v <= MAX_ID else None
 
 
 class RegisterRequest(_Body):

@@ -15,6 +15,7 @@ import safetensors.torch
 import torch
 import zstandard
 
+from shared.codec import zstd_bound
 from shared.errors import SnapshotError
 from shared.model import ModelConfig, build_model, get_params
 
@@ -157,6 +158,12 @@ def max_snapshot_bytes(schema: Mapping[str, tuple[int, ...]]) -> int:
     """Largest raw safetensors a snapshot of this schema can be (fp32 + a generous header)."""
     numel = sum(int(torch.Size(s).numel()) for s in schema.values())
     return 4 * numel + 64 * 1024 + 256 * len(schema)
+
+
+def max_snapshot_wire_bytes(schema: Mapping[str, tuple[int, ...]]) -> int:
+    """The most a snapshot of this schema weighs on the wire: its largest safetensors in one zstd
+    frame, which grows data it cannot shrink by no more than its compress bound."""
+    return zstd_bound(max_snapshot_bytes(schema))
 
 
 def _decompress(buf: bytes, cap: int) -> bytes:

@@ -2,12 +2,19 @@
 
 `pieces(source)` yields `Piece`s: a document's text in order, at most about PIECE_BYTES each (a long
 file is cut at a line end, or at a character boundary when a line is longer), `last` on a document's
-final piece. Nothing holds more than one piece and one read buffer, so a corpus of any size streams.
+final piece. A text file streams whatever its size: nothing holds more than one piece and one read
+buffer. A record (a .jsonl line, its JSON and all; a .parquet value) is read whole, so it may be at
+most `max_record_bytes` (MAX_RECORD_BYTES, 64 MiB, by default): a long .jsonl line is measured
+first, in pieces that are not kept, and one over the limit stops the reading with its line (a
+.parquet value with its row) without being read into memory. Memory then stays within about twice
+the largest record (its bytes and its text, then its text and the parsed record), whatever the
+file holds; a .parquet file's also holds a row group's text column, which pyarrow reads whole.
 
 Bad input raises `SourceError` naming the file and what to do: a file that cannot be read, invalid
 UTF-8 (with its byte offset; `errors="replace"` reads on), a .jsonl line that is not a JSON object
-or lacks the text field (with its line number), an empty text (`skip_empty` skips it), a .parquet
-without the column. .parquet needs pyarrow (`pip install 'idletrain[data]'`).
+or lacks the text field (with its line number), a record over `max_record_bytes`, an empty text
+(`skip_empty` skips it), a .parquet without the column. .parquet needs pyarrow
+(`pip install 'idletrain[data]'`).
 """
 
 from __future__ import annotations
@@ -22,6 +29,9 @@ from typing import Literal
 from shared.extras import MissingExtra, require
 
 PIECE_BYTES = 1 << 18
+MAX_RECORD_BYTES = 64 << 20  # a record read whole: books and source files are far smaller, a dump of one is not
+PARQUET_BATCH_BYTES = 16 << 20  # about this much text column converted at a time
+LINE_READ_BYTES = 1 << 20  # a .jsonl line is read in pieces of this
 TEXT_SUFFIXES = frozenset((".txt", ".md", ".rst", ".py", ".text", ".tex", ".html", ".htm", ".xml", ".csv",
                            ".tsv", ".c", ".h", ".cc", ".cpp", ".hpp", ".rs", ".go", ".java", ".js", ".ts",
                            ".sh", ".toml", ".yaml", ".yml", ".ini", ".cfg", ".org", ".adoc"))
@@ -46,6 +56,11 @@ class Options:
     text_field: str = "text"
     errors: Errors = "strict"
     skip_empty: bool = False
+    max_record_bytes: int = MAX_RECORD_BYTES
+
+    def __post_init__(self) -> None:
+        if self.max_record_bytes < 1:
+            raise SourceError(f"--max-record-bytes must be at least 1 byte, got {self.max_record_bytes}")
 
 
 def kind_of(path: Path) -> str:
@@ -137,24 +152,65 @@ def _text_of(value, where: str, opts: Options) -> str | None:
     return value
 
 
+def _too_long(where: str, opts: Options, n_bytes: int | None = None) -> SourceError:
+    size = f" ({n_bytes:,} bytes)" if n_bytes is not None else ""
+    return SourceError(f"{where}: the record{size} is over the limit of {opts.max_record_bytes:,} bytes a record "
+                       "may have (each is read whole): raise it with --max-record-bytes (memory takes about twice "
+                       "the largest record), or split the record")
+
+
+def _content_bytes(line: bytes | bytearray) -> int:
+    """A line's bytes without its line end ("\n" or "\r\n")."""
+    return len(line) - (2 if line.endswith(b"\r\n") else 1 if line.endswith(b"\n") else 0)
+
+
+def _read_line(f, limit: int) -> bytes | bytearray | None:
+    """The next line of `f` (empty at the end), or None when it holds more than `limit` bytes before
+    its line end. A long line is measured first, read ahead in pieces that are not kept, then read
+    once into memory (a buffer grown piece by piece may take twice the line at a time); one too long
+    is never read into memory."""
+    line = f.readline(min(LINE_READ_BYTES, limit + 2))
+    if len(line) < LINE_READ_BYTES or line.endswith(b"\n"):  # the whole line (or all there is)
+        return line if _content_bytes(line) <= limit else None
+    if not f.seekable():  # a pipe: the line is gathered as it comes
+        line = bytearray(line)
+        while len(line) < limit + 2 and not line.endswith(b"\n") and (part := f.readline(
+                min(LINE_READ_BYTES, limit + 2 - len(line)))):
+            line += part
+        return line if _content_bytes(line) <= limit else None
+    start, n, tail = f.tell() - len(line), len(line), line[-2:]
+    while n < limit + 2 and not tail.endswith(b"\n") and (part := f.readline(min(LINE_READ_BYTES, limit + 2 - n))):
+        n, tail = n + len(part), (tail + part)[-2:]
+    if _content_bytes(tail) - len(tail) + n > limit:
+        return None
+    f.seek(start)
+    return f.read(n)
+
+
 def jsonl_pieces(path: Path, opts: Options) -> Iterator[Piece]:
     """One document per line: the line's JSON object's text field."""
-    offset = 0
+    offset, number = 0, 0
     with _open(path) as f:
-        for number, raw in enumerate(f, start=1):
+        while (raw := _read_line(f, opts.max_record_bytes)) != b"":
+            number += 1
+            if raw is None:
+                raise _too_long(f"{path}, line {number}", opts)
             start, offset = offset, offset + len(raw)
             line = _decode(raw, path, start, opts.errors)
-            if not line.strip():
+            del raw  # two copies of a record at most: its bytes and its text, then its text and the record
+            if not line or line.isspace():  # (strip() would copy the line)
                 continue
             try:
                 record = json.loads(line)
             except ValueError as exc:
                 raise SourceError(f"{path}, line {number}: not JSON ({exc}): each line of a .jsonl file must be "
                                   "one JSON object") from None
+            del line
             if not isinstance(record, dict):
                 raise SourceError(f"{path}, line {number}: a JSON {type(record).__name__}, not an object with a "
                                   f"{opts.text_field!r} field")
             text = _text_of(record.get(opts.text_field), f"{path}, line {number}", opts)
+            del record
             if text is not None:
                 yield from _split(text)
 
@@ -182,13 +238,31 @@ def parquet_pieces(path: Path, opts: Options) -> Iterator[Piece]:
     if opts.text_field not in names:
         raise SourceError(f"{path} has no column {opts.text_field!r} (it has {', '.join(names)}): name the text "
                           "column with --text-field")
+    pa, pc = require("pyarrow", "data"), require("pyarrow.compute", "data")
     row = 0
-    for batch in pf.iter_batches(batch_size=1024, columns=[opts.text_field]):
-        for value in batch.column(0).to_pylist():
+    for batch in pf.iter_batches(batch_size=_batch_rows(pf.metadata, opts.text_field), columns=[opts.text_field]):
+        column = batch.column(0)
+        strings = pa.types.is_string(column.type) or pa.types.is_large_string(column.type)
+        sizes = pc.binary_length(column).to_pylist() if strings else [None] * len(column)
+        for i in range(len(column)):
             row += 1
-            text = _text_of(value, f"{path}, row {row}", opts)
+            if sizes[i] is not None and sizes[i] > opts.max_record_bytes:  # known before the text is made
+                raise _too_long(f"{path}, row {row}", opts, sizes[i])
+            text = _text_of(column[i].as_py(), f"{path}, row {row}", opts)
             if text is not None:
                 yield from _split(text)
+
+
+def _batch_rows(meta, column: str) -> int:
+    """Rows converted at a time: about PARQUET_BATCH_BYTES of the text column by the row groups'
+    sizes, 1 to 1024. (pyarrow reads a row group's column whole all the same.)"""
+    per_row = 1
+    for i in range(meta.num_row_groups):
+        group = meta.row_group(i)
+        for j in range(group.num_columns):
+            if group.column(j).path_in_schema == column and group.num_rows:
+                per_row = max(per_row, group.column(j).total_uncompressed_size // group.num_rows)
+    return max(1, min(1024, PARQUET_BATCH_BYTES // per_row))
 
 
 READERS = {"text": text_pieces, "jsonl": jsonl_pieces, "parquet": parquet_pieces}

@@ -10,13 +10,15 @@ Two kinds:
             the operator brings (`Tokenizer.from_file`).
 
 The file travels to workers as a content-hashed blob (`sha256` of `to_json()`'s UTF-8), never from
-a hub. Token ids are stored in the narrowest dtype that holds the vocab (`token_dtype`).
+a hub; a worker checks what it receives (`from_served`: size, form, vocab) before keeping it. Token
+ids are stored in the narrowest dtype that holds the vocab (`token_dtype`).
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import json
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Literal
@@ -28,6 +30,11 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 EOT = "<|endoftext|>"  # the document separator of trained BPE tokenizers
 MIN_BPE_VOCAB = 257  # the 256 byte-level characters and EOT
 MAX_VOCAB = 1 << 24
+# A tokenizer.json weighs a few dozen bytes a token (its vocab entry and its merge): BPEs trained here
+# measured 17 (vocab 512) to 33 (65,536) bytes a token, Llama 2's file is 57, a unigram's (T5) 75.
+JSON_BYTES_PER_TOKEN = 256
+JSON_SLACK_BYTES = 1 << 20  # the normalizer, pre-tokenizer, post-processor and added tokens
+MODEL_TYPES = frozenset(("BPE", "WordPiece", "WordLevel", "Unigram"))  # the `tokenizers` library's models
 TokenDtype = Literal["uint8", "uint16", "uint32"]
 
 
@@ -111,6 +118,44 @@ class Tokenizer:
         return cls.from_json(text, source=f"tokenizer file {str(path)!r}")
 
 
+def max_json_bytes(vocab_size: int) -> int:
+    """The most a tokenizer.json of `vocab_size` tokens can weigh: what one from elsewhere is capped at."""
+    return JSON_BYTES_PER_TOKEN * vocab_size + JSON_SLACK_BYTES
+
+
+def from_served(raw: bytes, *, vocab_size: int, source: str) -> Tokenizer:
+    """A tokenizer.json from elsewhere (a coordinator's), checked before the library parses it: at most
+    max_json_bytes(vocab_size), UTF-8 JSON in the `tokenizers` form whose vocab, merges and added
+    tokens are no longer than the vocab; then loaded by `tokenizers` alone (never pickle), its ids
+    within the model's: `vocab_size` tokens, or the bytes tokenizer in a vocab of 256 or more (a
+    raw corpus's run). ValueError saying what is wrong."""
+    cap = max_json_bytes(vocab_size)
+    if len(raw) > cap:
+        raise ValueError(f"{source} is {len(raw):,} bytes, over the {cap:,} a tokenizer of {vocab_size:,} tokens "
+                         "can weigh")
+    try:
+        text = raw.decode("utf-8")
+        doc = json.loads(text)
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+        raise ValueError(f"{source} is not UTF-8 JSON ({str(exc)[:200]})") from None
+    model = doc.get("model") if isinstance(doc, dict) else None
+    if not isinstance(model, dict) or model.get("type") not in MODEL_TYPES:
+        raise ValueError(f"{source} is not a tokenizers file: its model is none of {', '.join(sorted(MODEL_TYPES))}")
+    for name, value in (("vocab", model.get("vocab")), ("merges", model.get("merges")),
+                        ("added tokens", doc.get("added_tokens"))):
+        if isinstance(value, list | dict) and len(value) > vocab_size:
+            raise ValueError(f"{source}: {len(value):,} entries in its {name}, more than the model's vocab of "
+                             f"{vocab_size:,}")
+    tok = Tokenizer.from_json(text, source=source)
+    if tok.kind == "bytes" and vocab_size >= 256:
+        return tok
+    top = max(tok.inner.get_vocab(with_added_tokens=True).values(), default=-1)
+    if tok.vocab_size != vocab_size or top >= vocab_size:
+        raise ValueError(f"{source} has {tok.vocab_size:,} tokens (ids up to {top:,}), the run's model "
+                         f"{vocab_size:,}")
+    return tok
+
+
 def _bytes_inner() -> tokenizers.Tokenizer:
     chars = _byte_chars()
     inner = tokenizers.Tokenizer(models.BPE(vocab={chars[b]: b for b in range(256)}, merges=[]))
@@ -176,4 +221,5 @@ def describe(tok: Tokenizer) -> dict:
             "eot_id": tok.eot_id}
 
 
-__all__ = ["EOT", "Tokenizer", "bytes_tokenizer", "describe", "load", "token_byte_lengths", "token_dtype", "train_bpe"]
+__all__ = ["EOT", "Tokenizer", "bytes_tokenizer", "describe", "from_served", "load", "max_json_bytes",
+           "token_byte_lengths", "token_dtype", "train_bpe"]

@@ -3,6 +3,8 @@ It only ever connects outward, and it minds its host.
 
     settings.py     WorkerSettings (flags > IDLETRAIN_WORKER_* variables > worker.toml > defaults)
     client.py       CoordinatorClient: the only module that speaks HTTP (httpx); paced, metered, capped
+    reading.py      an answer's body read under its cap as it streams, decoded here in bounded steps
+    sizes.py        what each download of a lease can weigh, from the lease (its model, token dtype) alone
     answers.py      the coordinator's error answers by kind: transient, refusing one delta, or blocked
                     (only someone's action mends it: over the upload cap, API version, token, run gone)
     loop.py         Worker: the round it runs, stage by stage (below), until stopped; run_worker()

@@ -75,6 +75,9 @@ class UploadTooLarge(Blocked):
 
     def message(self) -> str:
         over = f"over {size_text(self.limit_bytes)}" if self.limit_bytes is not None else "this large"
+        if self.limit_bytes is not None and self.size_bytes is not None and self.size_bytes <= self.limit_bytes:
+            over = (f"this large, though it says it takes up to {size_text(self.limit_bytes)} (a proxy in front of "
+                    "it may cap uploads lower)")
         size = f" is {size_text(self.size_bytes)}" if self.size_bytes is not None else ""
         return (f"the coordinator refuses uploads {over}; {self.what}{size}: ask the operator to raise its upload "
                 "cap (IDLETRAIN_MAX_UPLOAD_BYTES) or to run a smaller model or a stronger compression. The delta "
@@ -186,8 +189,8 @@ def error_for(status: int, detail: str, *, retry_after: float | None, headers: M
               body: Mapping | None, api_version: int) -> CoordinatorError:
     """The exception for an error answer (a Blocked one for 401, 403, 413, 426)."""
     if status == 413:
-        limit = headers.get(protocol.H_MAX_BODY) or _limit_in(detail)
-        return UploadTooLarge(status, detail, limit_bytes=int(limit) if limit and limit.isdecimal() else None)
+        return UploadTooLarge(status, detail, limit_bytes=byte_count(headers.get(protocol.H_MAX_BODY))
+                              or byte_count(_limit_in(detail)))
     if status == 426:
         def number(key: str) -> int | None:
             value = (body or {}).get(key)
@@ -198,6 +201,15 @@ def error_for(status: int, detail: str, *, retry_after: float | None, headers: M
     if status in (401, 403):
         return NotAdmitted(status, detail)
     return CoordinatorError(status, detail, retry_after=retry_after)
+
+
+def byte_count(text: str | None) -> int | None:
+    """A cap the coordinator states: 1 to 2^63 - 1 bytes in ASCII digits; None for anything else (0,
+    -1, 10^30, 1e9, a number of 5,000 digits, which int() refuses to read)."""
+    if not text or not (text.isascii() and text.isdecimal()) or len(text) > 19:
+        return None
+    value = int(text)
+    return value if 0 < value <= protocol.MAX_ID else None
 
 
 def _limit_in(detail: str) -> str | None:

@@ -9,9 +9,11 @@ says what each means to the worker (those no retry can mend raise a Blocked erro
 Every request says the worker's API version (X-Idletrain-Api); a coordinator that no longer serves
 it answers 426 (VersionRefused).
 
-Every answer is read in chunks, capped at max_download_bytes while it streams; with
-set_transfer(...) request bodies and answers are paced by token buckets (--max-upload-kbps,
---max-download-kbps, worker/throttle.py) and every byte is reported to a meter (the daily cap).
+Every answer is read in chunks and decoded here (worker/reading.py), capped while it streams at
+max_download_bytes (the machine's cap) and, for a download, at what the lease says it can weigh
+(worker/sizes.py); with set_transfer(...) request bodies and answers are paced by token buckets
+(--max-upload-kbps, --max-download-kbps, worker/throttle.py) and every byte is reported to a meter
+(the daily cap).
 """
 
 from __future__ import annotations
@@ -35,11 +37,13 @@ from shared import protocol
 from worker.answers import (DELTA_REFUSED, LEASE_LOST, REDELIVERY_REFUSED, Blocked, CoordinatorError, NotAdmitted,
                             RunUnavailable, UploadTooLarge, VersionRefused, error_for, is_transient, spoken_version,
                             version_refusal, why)
+from worker.reading import ACCEPT_ENCODING, IntegrityError, read_body
 from worker.throttle import TokenBucket, paced
 
 log = logging.getLogger(__name__)
 
 MAX_RETRY_AFTER_S = 600.0  # a Retry-After longer than this is taken as this
+MACHINE_CAP_TEXT = "this worker's download cap allows (--max-params, --max-memory)"  # what an answer over it says
 
 
 def backoff_delay(attempt: int) -> float:
@@ -81,10 +85,6 @@ def _run_refusal(run: str) -> Iterator[None]:
         if exc.status in (404, 410) and not isinstance(exc, Blocked):
             raise RunUnavailable(exc.status, exc.detail, run=run) from None
         raise
-
-
-class IntegrityError(Exception):
-    """A download does not match its announced hash or size."""
 
 
 _M = TypeVar("_M", bound=BaseModel)
@@ -129,7 +129,8 @@ class CoordinatorClient:
         self.bytes_down = 0  # snapshots, shards and exchange answers received
         self.sent_bytes = 0  # every request body, retries included (what crossed the wire)
         self.received_bytes = 0  # every answer body, retries included
-        self._http = httpx.Client(base_url=base_url, timeout=timeout_s, transport=transport)
+        self._http = httpx.Client(base_url=base_url, timeout=timeout_s, transport=transport,
+                                  headers={"Accept-Encoding": ACCEPT_ENCODING})
         self.speak(api_version)
         self.upload_bucket: TokenBucket | None = None
         self.download_bucket: TokenBucket | None = None
@@ -172,14 +173,16 @@ class CoordinatorClient:
     def close(self) -> None:
         self._http.close()
 
-    def _request(self, method: str, url: str, *, max_retries: int | None = None, **kw) -> httpx.Response:
+    def _request(self, method: str, url: str, *, max_retries: int | None = None, max_bytes: int | None = None,
+                 expected: str = MACHINE_CAP_TEXT, **kw) -> httpx.Response:
+        """`max_bytes`: the most the answer can weigh, `expected` saying why (within max_download_bytes)."""
         headers = kw.pop("headers", {})
         if self.token:
             headers["Authorization"] = f"Bearer {self.token}"
         retries = self.max_retries if max_retries is None else min(max_retries, self.max_retries)
         for attempt in range(retries + 1):
             try:
-                resp = self._send(method, url, headers=headers, **kw)
+                resp = self._send(method, url, headers=headers, max_bytes=max_bytes, expected=expected, **kw)
             except httpx.TransportError as exc:
                 if attempt == retries:
                     raise
@@ -202,10 +205,11 @@ class CoordinatorClient:
             return resp
         raise AssertionError("unreachable")
 
-    def _send(self, method: str, url: str, *, headers: dict, content: bytes | None = None, **kw) -> httpx.Response:
+    def _send(self, method: str, url: str, *, headers: dict, content: bytes | None = None, max_bytes: int | None,
+              expected: str, **kw) -> httpx.Response:
         """One attempt. The body goes out paced (with an explicit Content-Length: not chunked); the
-        answer comes in chunks, paced, counted and capped at max_download_bytes, and is returned
-        as a plain in-memory response."""
+        answer comes in chunks, paced, counted, decoded and capped (at max_bytes, within
+        max_download_bytes), and is returned as a plain in-memory response."""
         body = content
         if content is not None and self.upload_bucket is not None:
             headers = {**headers, "Content-Length": str(len(content))}
@@ -213,25 +217,21 @@ class CoordinatorClient:
         request = self._http.build_request(method, url, headers=headers, content=body, **kw)
         if self.upload_bucket is None or content is None:
             self._count_up(len(request.content) if content is None else len(content))
+        cap = self.max_download_bytes
+        if max_bytes is not None and max_bytes < cap:
+            cap = max_bytes
+        else:
+            expected = MACHINE_CAP_TEXT
         resp = self._http.send(request, stream=True)
         try:
-            bucket = self.download_bucket
-            chunks, size = [], 0
-            for chunk in resp.iter_bytes(bucket.chunk_bytes if bucket is not None else None):
-                size += len(chunk)
-                if size > self.max_download_bytes:
-                    raise IntegrityError(f"{method} {url}: the answer exceeds the download cap of "
-                                         f"{self.max_download_bytes} bytes")
-                if bucket is not None:
-                    bucket.take(len(chunk))
-                self._count_down(len(chunk))
-                chunks.append(chunk)
+            body = read_body(resp, cap=cap, what=f"{method} {url}", expected=expected, bucket=self.download_bucket,
+                             count=self._count_down)
         finally:
             resp.close()
         # The body is decoded already: drop the headers that describe its encoding on the wire.
         headers_out = [(k, v) for k, v in resp.headers.multi_items()
                        if k.lower() not in ("content-encoding", "transfer-encoding", "content-length")]
-        return httpx.Response(resp.status_code, headers=headers_out, content=b"".join(chunks), request=request)
+        return httpx.Response(resp.status_code, headers=headers_out, content=body, request=request)
 
     @staticmethod
     def _backoff(attempt: int, why: str, *, wait: float | None = None) -> None:
@@ -279,19 +279,21 @@ class CoordinatorClient:
                 return None, 2.0
         return _parse(protocol.Lease, resp, "lease"), 0.0
 
-    def _download(self, url: str, headers: dict | None = None) -> httpx.Response:
-        resp = self._request("GET", url, headers=dict(headers or {}))
-        if len(resp.content) > self.max_download_bytes:
-            raise IntegrityError(f"{url}: {len(resp.content)} bytes exceeds the download cap")
+    def _download(self, url: str, headers: dict | None = None, *, max_bytes: int | None,
+                  expected: str) -> httpx.Response:
+        resp = self._request("GET", url, headers=dict(headers or {}), max_bytes=max_bytes, expected=expected)
         self.bytes_down += len(resp.content)
         return resp
 
-    def snapshot(self, run: str, version: int | str, *, if_sha256: str | None = None) -> tuple[bytes | None, int]:
+    def snapshot(self, run: str, version: int | str, *, if_sha256: str | None = None,
+                 max_bytes: int | None = None) -> tuple[bytes | None, int]:
         """(zstd safetensors bytes, version); the body's hash is checked against its header.
         if_sha256: the hash of a copy this worker made itself; (None, version) when the coordinator's
-        snapshot has that hash (304: nothing downloaded), the snapshot as usual when it differs."""
+        snapshot has that hash (304: nothing downloaded), the snapshot as usual when it differs.
+        `max_bytes`: the most a snapshot of the lease's model weighs (worker/sizes.py)."""
         headers = {"If-None-Match": f'"{if_sha256}"'} if if_sha256 else None
-        resp = self._download(f"{protocol.API_PREFIX}/runs/{run}/snapshots/{version}", headers)
+        resp = self._download(f"{protocol.API_PREFIX}/runs/{run}/snapshots/{version}", headers, max_bytes=max_bytes,
+                              expected="a snapshot of the lease's model can weigh")
         sha = resp.headers.get(protocol.H_SHA256, "")
         if resp.status_code == 304:
             if not if_sha256 or sha != if_sha256:
@@ -311,32 +313,37 @@ class CoordinatorClient:
             raise IntegrityError(f"snapshot {asked}: the coordinator answered version {value}")
         return int(value)
 
-    def model_update(self, run: str, from_version: int, to_version: int, *,
-                     copy: str | None = None) -> tuple[bytes, bool]:
+    def model_update(self, run: str, from_version: int, to_version: int, *, copy: str | None = None,
+                     max_bytes: int | None = None) -> tuple[bytes, bool]:
         """(the int8 change from one version to another (shared/algorithms/sync.py), hash-checked; whether
         it was taken from the worker's copy: the run's update_feedback). `copy`: the copy_digest of the
-        copy held, for a run with update_feedback."""
+        copy held, for a run with update_feedback; `max_bytes`: the most such an update weighs."""
         path = f"{protocol.API_PREFIX}/runs/{run}/updates/{from_version}/{to_version}"
-        resp = self._download(f"{path}/{copy}" if copy else path)
+        resp = self._download(f"{path}/{copy}" if copy else path, max_bytes=max_bytes,
+                              expected="an update of the lease's model can weigh")
         if hashlib.sha256(resp.content).hexdigest() != resp.headers.get(protocol.H_SHA256, ""):
             raise IntegrityError(f"update {from_version}->{to_version} does not match its announced SHA-256")
         return resp.content, resp.headers.get(protocol.H_UPDATE_FEEDBACK) == "1"
 
-    def shard(self, run: str, index: int, *, expected_sha256: str, max_tokens: int = 1 << 30) -> bytes:
+    def shard(self, run: str, index: int, *, expected_sha256: str, max_bytes: int | None = None,
+              max_raw_bytes: int = 1 << 30) -> bytes:
         """The raw tokens of a shard (little-endian ids of the lease's token_dtype), checked against the
-        hash the lease announced; `max_tokens` caps its bytes."""
-        resp = self._download(f"{protocol.API_PREFIX}/runs/{run}/shards/{index}")
+        hash the lease announced; `max_bytes` caps its zstd frame, `max_raw_bytes` its tokens' bytes."""
+        resp = self._download(f"{protocol.API_PREFIX}/runs/{run}/shards/{index}", max_bytes=max_bytes,
+                              expected="a shard of the lease's token dtype can weigh")
         try:
-            raw = zstandard.ZstdDecompressor().stream_reader(resp.content).read(max_tokens + 1)
+            raw = zstandard.ZstdDecompressor().stream_reader(resp.content).read(max_raw_bytes + 1)
         except zstandard.ZstdError as exc:
             raise IntegrityError(f"shard {index} is not valid zstd: {exc}") from None
-        if len(raw) > max_tokens or hashlib.sha256(raw).hexdigest() != expected_sha256:
+        if len(raw) > max_raw_bytes or hashlib.sha256(raw).hexdigest() != expected_sha256:
             raise IntegrityError(f"shard {index} does not match its announced SHA-256")
         return raw
 
-    def tokenizer(self, run: str, *, expected_sha256: str) -> bytes:
-        """The run's tokenizer.json, checked against the hash the lease announced."""
-        resp = self._download(f"{protocol.API_PREFIX}/runs/{run}/tokenizer")
+    def tokenizer(self, run: str, *, expected_sha256: str, max_bytes: int | None = None) -> bytes:
+        """The run's tokenizer.json, checked against the hash the lease announced; `max_bytes`: the most
+        a tokenizer of the lease model's vocab weighs (its contents are checked by the caller)."""
+        resp = self._download(f"{protocol.API_PREFIX}/runs/{run}/tokenizer", max_bytes=max_bytes,
+                              expected="a tokenizer of the lease model's vocab can weigh")
         if hashlib.sha256(resp.content).hexdigest() != expected_sha256:
             raise IntegrityError(f"the tokenizer of run {run!r} does not match its announced SHA-256")
         return resp.content
@@ -376,8 +383,6 @@ class CoordinatorClient:
                              content=body, headers={"Content-Type": "application/octet-stream"},
                              max_retries=self.EXCHANGE_RETRIES)
         self.bytes_up += len(body)
-        if len(resp.content) > self.max_download_bytes:
-            raise IntegrityError(f"exchange answer of {len(resp.content)} bytes exceeds the download cap")
         sha = resp.headers.get(protocol.H_SHA256)
         if sha is not None and hashlib.sha256(resp.content).hexdigest() != sha:
             raise IntegrityError(f"exchange answer for step {step} does not match its announced SHA-256")

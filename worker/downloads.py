@@ -10,14 +10,21 @@ no number of updates in a row calls for a snapshot; the coordinator says so on e
 Version 0, the first time, is built here from the run's seed, and only its hash is checked (a 304,
 no body).
 
-The shard: the cached copy (worker/caches.py, hashed again), else downloaded and checked, and
-fetched again with backoff when it fails its hash or its zstd; its ids are the lease's token_dtype
-(uint8 bytes, uint16, uint32). The run's tokenizer.json is cached beside the shards, once per run.
+The shard: the cached copy (worker/caches.py, hashed again), else downloaded and checked; its ids
+are the lease's token_dtype (uint8 bytes, uint16, uint32). The run's tokenizer.json is checked
+(shared/tokenizer.py's from_served) and cached beside the shards, once per run.
+
+Every download is capped at what the lease says it can weigh (worker/sizes.py). A snapshot or a
+shard over its cap, failing its hash or its zstd is the coordinator's fault: fetched again with
+backoff, TRIES times in all, then the lease is given up, and each lease given up so in a row waits
+longer before the next is asked for (backoff_delay: 1 s doubling, 60 s at most).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from typing import TypeVar
 
 import httpx
 import torch
@@ -28,7 +35,8 @@ from shared.data import tokens_from_bytes
 from shared.errors import DeltaFormatError, SnapshotError
 from shared.model import meta_schema
 from shared.snapshot import decode_snapshot, version_zero
-from worker import memory
+from shared.tokenizer import from_served
+from worker import memory, sizes
 from worker.caches import ShardCache
 from worker.client import (
     LEASE_LOST,
@@ -47,6 +55,7 @@ log = logging.getLogger(__name__)
 
 
 Inputs = tuple[dict[str, torch.Tensor] | None, torch.Tensor]  # a round's base model (None: not needed), shard
+_T = TypeVar("_T")
 
 
 class Downloads:
@@ -54,7 +63,7 @@ class Downloads:
     worker. The prefetch thread uses it too, while the round before trains: only it then changes
     `held`."""
 
-    SHARD_TRIES = 3  # downloads of a shard that fails its hash or its zstd before the lease is given up
+    TRIES = 3  # downloads of a snapshot or a shard not as announced before the lease is given up
 
     def __init__(self, client: CoordinatorClient, shards: ShardCache, stop: StopFlag, trainer: LocalTrainer, *,
                  max_params: int) -> None:
@@ -66,6 +75,7 @@ class Downloads:
         self.join_bytes: int | None = None  # what the first base cost to download (0: version 0 built here)
         self.tokenizers = ShardCache.tokenizers(shards.root.parent)  # beside the shards
         self.tokenizers_seen: set[str] = set()  # fetched (or tried) by this process
+        self.given_up = 0  # leases given up in a row over bytes not as announced: the next waits longer
 
     def check(self, lease: protocol.Lease) -> None:
         """A lease not in the protocol's exact form (ids, hashes, names, model config) raises
@@ -88,7 +98,9 @@ class Downloads:
         one, and its shard."""
         self.check(lease)
         base = self.base(lease) if self.trainer.needs_snapshot(lease) else None
-        return base, self.tokens(lease)
+        inputs = base, self.tokens(lease)
+        self.given_up = 0
+        return inputs
 
     def inputs(self, lease: protocol.Lease, *, resume: bool) -> Inputs | None:
         """The round's base model (None: a resumed round, or one the trainer needs none for) and its
@@ -96,7 +108,9 @@ class Downloads:
         is given up)."""
         try:
             base = self.base(lease) if not resume and self.trainer.needs_snapshot(lease) else None
-            return base, self.tokens(lease)
+            inputs = base, self.tokens(lease)
+            self.given_up = 0
+            return inputs
         except CoordinatorError as exc:
             if exc.status not in LEASE_LOST:
                 raise
@@ -107,13 +121,34 @@ class Downloads:
 
     def give_up(self, lease: protocol.Lease, exc: BaseException) -> None:
         """A lease whose shard or base model does not arrive intact: hand it back (best effort: it
-        expires anyway) so its shard goes to another worker, wait a little, and ask for another."""
-        log.warning("lease %d: %s; giving the lease up and asking for another", lease.lease_id, exc)
+        expires anyway) so its shard goes to another worker, and ask for another after a wait that
+        grows with each lease given up so in a row (a coordinator serving bad bytes is asked slower)."""
+        self.given_up += 1
+        delay = backoff_delay(self.given_up)
+        log.warning("lease %d: %s; giving the lease up (%d in a row whose bytes were not as announced) and asking "
+                    "for another in %.1f s", lease.lease_id, exc, self.given_up, delay)
         try:
             self.client.release(lease.lease_id)
         except (httpx.TransportError, CoordinatorError) as err:
             log.info("lease %d not given back (%s); it expires at its deadline", lease.lease_id, why(err))
-        self.stop.event.wait(backoff_delay(1))  # a coordinator serving bad bytes is not asked again at once
+        self.stop.event.wait(delay)
+
+    def fetch(self, lease: protocol.Lease, what: str, get: Callable[[], _T]) -> _T:
+        """get() until what it downloads arrives as announced: over its cap, failing its hash or its
+        zstd, it is fetched again with backoff, TRIES times in all; then IntegrityError (the round
+        gives the lease up). The first Ctrl-C ends a wait."""
+        attempt = 0
+        while True:
+            try:
+                return get()
+            except IntegrityError as exc:
+                attempt += 1
+                if attempt >= self.TRIES or self.stop.event.is_set():
+                    raise IntegrityError(f"{what} failed {attempt} downloads ({exc})") from None
+                delay = backoff_delay(attempt)
+                log.warning("lease %d: %s; fetching it again in %.1f s (%d/%d)", lease.lease_id, exc, delay,
+                            attempt + 1, self.TRIES)
+                self.stop.event.wait(delay)
 
     def base(self, lease: protocol.Lease) -> dict[str, torch.Tensor]:
         """The lease's base model: the copy held, the change since it, or the full snapshot."""
@@ -128,7 +163,9 @@ class Downloads:
         made = None  # version 0 made here from the run's seed: only its hash is checked, nothing downloaded
         if held is None and lease.base_version == 0 and lease.init_seed is not None:
             made = version_zero(lease.run, lease.model, lease.init_seed)
-        blob, version = self.client.snapshot(lease.run, lease.base_version, if_sha256=made[1] if made else None)
+        blob, version = self.fetch(lease, f"snapshot {lease.base_version}", lambda: self.client.snapshot(
+            lease.run, lease.base_version, if_sha256=made[1] if made else None,
+            max_bytes=sizes.snapshot_cap_bytes(schema)))
         if blob is None:
             params = made[0]
         else:
@@ -146,7 +183,8 @@ class Downloads:
         when there is none to use (the snapshot is downloaded instead)."""
         try:
             copy = sync.copy_digest(held[1]) if lease.run in self.feedback_runs else None
-            blob, feedback = self.client.model_update(lease.run, held[0], lease.base_version, copy=copy)
+            blob, feedback = self.client.model_update(lease.run, held[0], lease.base_version, copy=copy,
+                                                      max_bytes=sizes.update_cap_bytes(schema))
             update = codec.decode(blob, schema=schema)
             if update.base_version != held[0]:
                 raise DeltaFormatError(f"update starts at version {update.base_version}, not {held[0]}")
@@ -165,26 +203,16 @@ class Downloads:
         return None
 
     def tokens(self, lease: protocol.Lease) -> torch.Tensor:
-        """The lease's shard: the cached copy (hashed again), else downloaded and checked. A download
-        that fails its hash or does not decompress is fetched again with backoff, SHARD_TRIES times
-        in all; then IntegrityError (the round gives the lease up). The first Ctrl-C ends a wait."""
+        """The lease's shard: the cached copy (hashed again), else downloaded and checked (fetch)."""
         try:
             raw = self.shards.get(lease.shard_sha256)
         except ValueError as exc:  # not a digest: never made into a path
             raise InvalidAnswer(f"lease {lease.lease_id}: {exc}") from None
-        attempt = 0
-        while raw is None:
-            try:
-                raw = self.client.shard(lease.run, lease.shard_id, expected_sha256=lease.shard_sha256)
-            except IntegrityError as exc:
-                attempt += 1
-                if attempt >= self.SHARD_TRIES or self.stop.event.is_set():
-                    raise IntegrityError(f"shard {lease.shard_id} failed {attempt} downloads ({exc})") from None
-                delay = backoff_delay(attempt)
-                log.warning("lease %d: %s; fetching it again in %.1f s (%d/%d)", lease.lease_id, exc, delay,
-                            attempt + 1, self.SHARD_TRIES)
-                self.stop.event.wait(delay)
-                continue
+        if raw is None:
+            raw = self.fetch(lease, f"shard {lease.shard_id}", lambda: self.client.shard(
+                lease.run, lease.shard_id, expected_sha256=lease.shard_sha256,
+                max_bytes=sizes.shard_cap_bytes(lease.token_dtype),
+                max_raw_bytes=sizes.shard_raw_cap_bytes(lease.token_dtype)))
             self.shards.put(lease.shard_sha256, raw)
         self.fetch_tokenizer(lease)
         try:
@@ -193,14 +221,19 @@ class Downloads:
             raise IntegrityError(f"shard {lease.shard_id}: {exc}") from None
 
     def fetch_tokenizer(self, lease: protocol.Lease) -> None:
-        """The run's tokenizer.json into the cache (by hash, checked), once per run; training does not
-        need it, so a failure is logged and the round goes on."""
+        """The run's tokenizer.json into the cache (by hash), once per run, checked before it is kept:
+        its size, its form and its vocab against the lease's model (from_served). Training does not
+        need it, so a failure is logged, nothing is kept, and the round goes on."""
         sha = lease.tokenizer_sha256
         if sha is None or sha in self.tokenizers_seen:
             return
         self.tokenizers_seen.add(sha)
+        vocab = lease.model.vocab_size
         try:
             if self.tokenizers.get(sha) is None:
-                self.tokenizers.put(sha, self.client.tokenizer(lease.run, expected_sha256=sha))
+                raw = self.client.tokenizer(lease.run, expected_sha256=sha, max_bytes=sizes.tokenizer_cap_bytes(vocab))
+                from_served(raw, vocab_size=vocab, source=f"run {lease.run!r}'s tokenizer")
+                self.tokenizers.put(sha, raw)
         except (ValueError, IntegrityError, CoordinatorError, httpx.TransportError, OSError) as exc:
-            log.warning("run %s: its tokenizer was not fetched (%s); training goes on without it", lease.run, exc)
+            log.warning("run %s: its tokenizer was refused or not fetched (%s); nothing kept, training goes on "
+                        "without it", lease.run, exc)

@@ -10,12 +10,22 @@ import sys
 from idletrain.cli.common import fail
 from shared import sources
 from shared.dataset import prepare
+from worker.settings import parse_size
+
+
+def record_bytes(text: str) -> int:
+    """--max-record-bytes: a size (64MiB, 100MB, 1000000); argparse's error for anything else."""
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
-    opts = sources.Options(text_field=args.text_field, errors=args.errors, skip_empty=args.skip_empty)
     say = (lambda _: None) if args.quiet else (lambda line: print(line, file=sys.stderr, flush=True))
     try:
+        opts = sources.Options(text_field=args.text_field, errors=args.errors, skip_empty=args.skip_empty,
+                               max_record_bytes=args.max_record_bytes)
         m = prepare(args.source, args.out, tokenizer=args.tokenizer, vocab_size=args.vocab_size,
                     shard_tokens=args.shard_tokens, eval_fraction=args.eval_fraction, eval_tokens=args.eval_tokens,
                     opts=opts, log=say)
@@ -58,6 +68,9 @@ def register(sub) -> None:
     p.add_argument("--errors", choices=["strict", "replace"], default="strict",
                    help="invalid UTF-8: strict stops with the file and offset; replace reads it as U+FFFD")
     p.add_argument("--skip-empty", action="store_true", help="skip empty files and records instead of stopping")
+    p.add_argument("--max-record-bytes", type=record_bytes, default=sources.MAX_RECORD_BYTES, metavar="SIZE",
+                   help="the largest .jsonl line or .parquet value, each read whole (memory takes about twice "
+                        "it); a larger one stops with its line or row (default 64MiB)")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON line")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     p.set_defaults(func=cmd_prepare)

@@ -102,8 +102,13 @@ def encoded_bound(entries: Sequence[tuple[str, IndexKind, ValueKind, int, int]])
     zstd adds to a frame it cannot shrink (its compress bound) and the envelope's header."""
     raw = 12 + sum(2 + len(name.encode()) + 18 + INDEX_CODECS[ik].estimate_bytes(numel=numel, k=k)
                    + VALUE_CODECS[vk].nbytes(k) for name, ik, vk, numel, k in entries)
-    zstd_bound = raw + (raw >> 8) + ((128 << 10) - raw >> 11 if raw < 128 << 10 else 0) + 32
-    return HEADER.size + zstd_bound
+    return HEADER.size + zstd_bound(raw)
+
+
+def zstd_bound(n: int) -> int:
+    """The most bytes one zstd frame of `n` bytes of content can take: zstd's compress bound (what it
+    adds to data it cannot shrink) plus 32 for the frame's header and checksum."""
+    return n + (n >> 8) + ((128 << 10) - n >> 11 if n < 128 << 10 else 0) + 32
 
 
 def max_body_bytes(schema: Mapping[str, tuple[int, ...]]) -> int:

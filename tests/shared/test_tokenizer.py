@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import re
 import subprocess
 import sys
 
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 
 from shared.data import load_corpus
-from shared.tokenizer import EOT, Tokenizer, bytes_tokenizer, token_dtype, train_bpe
+from shared.tokenizer import EOT, Tokenizer, bytes_tokenizer, from_served, max_json_bytes, token_dtype, train_bpe
 
 TEXTS = ["héllo wörld\n\tend 🙂", "", "a", "x" * 3000, "\x00\x01 control\r\n", "日本語のテキスト",
          "def f(x):\n    return x ** 2  # squares\n"]
@@ -131,3 +132,42 @@ def test_transformers_loads_both(tmp_path):
         text = "héllo the model 🙂"
         assert hf(text)["input_ids"] == tok.encode(text)
         assert hf.decode(tok.encode(text)) == text
+
+
+def test_a_served_tokenizer_of_the_runs_vocab_is_taken():
+    bpe = train_bpe(iter(_corpus()), 400)
+    served = from_served(bpe.to_json().encode(), vocab_size=bpe.vocab_size, source="t")
+    assert served.sha256 == bpe.sha256 and served.encode("the model") == bpe.encode("the model")
+    assert from_served(bytes_tokenizer().to_json().encode(), vocab_size=8192, source="t").kind == "bytes"
+
+
+def test_real_tokenizers_weigh_well_under_the_cap():
+    """Trained BPEs measured 17 to 33 bytes a token (vocab 512 to 65,536): the cap allows 256 and 1 MiB."""
+    for vocab in (300, 2000):
+        tok = train_bpe(iter(_corpus(2000)), vocab)
+        assert len(tok.to_json().encode()) < max_json_bytes(tok.vocab_size) // 4
+
+
+@pytest.mark.parametrize("body, says", [
+    (b"x" * (max_json_bytes(256) + 1), "over the 1,114,112 a tokenizer of 256 tokens can weigh"),
+    (b"\xff\xfe not utf-8", "not UTF-8 JSON"),
+    (b"[" * 100_000 + b"]" * 100_000, "not UTF-8 JSON"),
+    (b'{"model": {"type": "Pickle"}}', "not a tokenizers file"),
+    (b'["a list"]', "not a tokenizers file"),
+    (b'{"model": {"type": "BPE", "vocab": {}, "merges": [' + b",".join([b'"a b"'] * 300) + b"]}}",
+     "300 entries in its merges, more than the model's vocab of 256"),
+    (b'{"model": {"type": "BPE", "vocab": {}}, "added_tokens": [' + b",".join([b"{}"] * 257) + b"]}",
+     "257 entries in its added tokens"),
+    (b'{"model": {"type": "BPE", "vocab": "x"}}', "is not a tokenizers JSON file"),
+])
+def test_a_served_tokenizer_out_of_form_is_refused_saying_why(body, says):
+    with pytest.raises(ValueError, match=re.escape(says)):
+        from_served(body, vocab_size=256, source="run 't''s tokenizer")
+
+
+def test_a_served_tokenizer_of_another_vocab_is_refused():
+    bpe = train_bpe(iter(_corpus()), 400)
+    with pytest.raises(ValueError, match=f"has {bpe.vocab_size} tokens .*the run's model 512"):
+        from_served(bpe.to_json().encode(), vocab_size=512, source="t")
+    with pytest.raises(ValueError, match="256 entries in its vocab, more than the model's vocab of 128"):
+        from_served(bytes_tokenizer().to_json().encode(), vocab_size=128, source="t")

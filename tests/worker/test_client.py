@@ -248,7 +248,7 @@ def test_shard_larger_than_allowed_is_an_integrity_error():
     blob = zstandard.ZstdCompressor().compress(raw)  # a tiny bomb: 5000 bytes from a few dozen
     with pytest.raises(IntegrityError):
         make_client(shard_handler(blob)).shard("t", 0, expected_sha256=hashlib.sha256(raw).hexdigest(),
-                                               max_tokens=4096)
+                                               max_raw_bytes=4096)
 
 
 def test_renew_reports_the_rounds_step():

@@ -41,13 +41,13 @@ def test_requests_say_the_workers_api_version():
 
 def test_413_is_upload_too_large_with_the_cap_and_the_size():
     seen: list[httpx.Request] = []
-    c = client_answering(413, seen=seen, json={"detail": "body exceeds the limit of 67108864 bytes"},
-                         headers={protocol.H_MAX_BODY: str(64 << 20)})
+    c = client_answering(413, seen=seen, json={"detail": "body exceeds the limit of 1048576 bytes"},
+                         headers={protocol.H_MAX_BODY: str(1 << 20)})
     with pytest.raises(UploadTooLarge) as refused:
-        c.upload_delta(5, b"x" * 1000)
+        c.upload_delta(5, b"x" * 2_000_000)
     exc = refused.value
-    assert (exc.status, exc.limit_bytes, exc.size_bytes) == (413, 64 << 20, 1000) and len(seen) == 1
-    assert exc.message().startswith("the coordinator refuses uploads over 64.0 MiB; this round's delta is 1000 bytes: "
+    assert (exc.status, exc.limit_bytes, exc.size_bytes) == (413, 1 << 20, 2_000_000) and len(seen) == 1
+    assert exc.message().startswith("the coordinator refuses uploads over 1.0 MiB; this round's delta is 1.9 MiB: "
                                     "ask the operator to raise its upload cap (IDLETRAIN_MAX_UPLOAD_BYTES)")
     assert isinstance(exc, Blocked) and isinstance(exc, CoordinatorError) and not is_transient(exc)
 

@@ -78,7 +78,7 @@ def test_a_full_snapshot_every_max_hops(api, run, tmp_path, monkeypatch):
 def test_falls_back_to_the_snapshot_when_the_update_is_gone(api, run, tmp_path, monkeypatch, status):
     worker, transport = _worker(api, tmp_path, rounds=2)
 
-    def gone(run, a, b, *, copy=None):
+    def gone(run, a, b, *, copy=None, max_bytes=None):
         raise CoordinatorError(status, f"version {a} is no longer kept")
 
     monkeypatch.setattr(worker.client, "model_update", gone)

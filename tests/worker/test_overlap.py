@@ -93,7 +93,7 @@ class FakeClient:
             inner=InnerConfig(steps=STEPS, batch_size=2, warmup_steps=0), compression=c.compression,
             model=MODEL.to_dict(), deadline=datetime(2030, 1, 1, tzinfo=UTC)), 0.0
 
-    def snapshot(self, run: str, version, *, if_sha256=None) -> tuple[bytes, int]:
+    def snapshot(self, run: str, version, *, if_sha256=None, max_bytes=None) -> tuple[bytes, int]:
         self.c.note("snapshot", version)
         return self.c.snapshot, int(version)  # the same weights under every version number
 
@@ -103,10 +103,11 @@ class FakeClient:
                 self.c.leases[lease_id] = "abandoned"
         self.c.note("release", lease_id)
 
-    def model_update(self, run: str, start: int, end: int, *, copy: str | None = None) -> tuple[bytes, bool]:
+    def model_update(self, run: str, start: int, end: int, *, copy: str | None = None,
+                     max_bytes=None) -> tuple[bytes, bool]:
         raise CoordinatorError(404, "no updates here: fetch the snapshot")
 
-    def shard(self, run: str, index: int, *, expected_sha256: str) -> bytes:
+    def shard(self, run: str, index: int, *, expected_sha256: str, max_bytes=None, max_raw_bytes=None) -> bytes:
         self.c.note("shard", index)
         return self.c.raw
 

@@ -205,14 +205,14 @@ def test_a_shard_failing_its_hash_or_its_zstd_is_fetched_again_and_the_round_goe
 
 def test_a_shard_that_never_arrives_intact_gives_the_lease_up_without_crashing(tmp_path, no_waiting, caplog):
     raw, sha, _ = _shard()
-    handler, log = _coordinator([], threading.Event(), shards=[b"garbage"] * Downloads.SHARD_TRIES)
+    handler, log = _coordinator([], threading.Event(), shards=[b"garbage"] * Downloads.TRIES)
     w = _net_worker(tmp_path, handler)
     w.downloads.base = lambda lease: {}  # the base model is not what this test is about
     lease = make_lease().model_copy(update={"shard_sha256": sha})
     with caplog.at_level(logging.WARNING, logger="worker"):
         assert w._round(lease) is None
     gets = [p for m, p in log if m == "GET"]
-    assert gets == [f"{API}/runs/t/shards/1"] * Downloads.SHARD_TRIES
+    assert gets == [f"{API}/runs/t/shards/1"] * Downloads.TRIES
     assert log[-1] == ("DELETE", f"{API}/leases/{lease.lease_id}")  # handed back for another worker
     assert w.rounds == 0 and w.store.load_unsent() is None
     assert not w.shards.path(sha).exists()
