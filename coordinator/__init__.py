@@ -14,6 +14,7 @@
     storage.py      named blobs (BlobStore, the local filesystem's: atomic writes) and a run's layout
     scheduler.py    lease policy (pure): deadlines, lifetimes, seeds, traffic accounting
     trust.py        worker standing (pure): ok / throttled / banned from robust merging's verdicts
+    voices.py       which tokens speak as one (pure): tokens of one address share a voice, a weight, a standing
     credit.py       contributors' credit (pure): merged tokens times a quick-return bonus
     spotcheck.py    replay spot-checks' policy (pure): which leases are sampled, by which bounds judged
     names.py        contributor and team names (pure): what they may hold, the forms compared

@@ -152,13 +152,13 @@ class Merger:
         settings, cfg = self.coord.settings, rt.config
         with self.coord.db.read() as c:
             rows = delta_rows.queued(c, rt.run_id, after=rt.version, through=rt.version + self.BATCH + 1)
-        # (seq, base version, worker): the screen judges each worker's own record
+        # (seq, base version, worker, voice): the screen judges each voice's own record
         items: list[tuple[int, int, int]] = []
-        for seq, base, lease_id, sha, worker_id in rows[:self.BATCH]:
+        for seq, base, lease_id, sha, worker_id, voice in rows[:self.BATCH]:
             if seq != rt.version + 1 + len(items):
                 break  # a gap: the row of the next sequence number is not committed yet
             rt.storage.adopt_delta(rt.run_id, seq, lease_id, sha)  # staged by the upload: now named by seq
-            items.append((seq, base, worker_id))
+            items.append((seq, base, worker_id, voice))
             # a batch ends where a snapshot, an evaluation or a checkpoint is due
             if any(seq % every == 0 for every in (settings.snapshot_every, cfg.eval_every, settings.checkpoint_every)):
                 break

@@ -116,7 +116,7 @@ class DeltaRecord(Base):
     __tablename__ = "deltas"
     # ix_deltas_content: identical delta content is merged once per run (looked up by its hash)
     __table_args__ = (UniqueConstraint("run_id", "seq"), Index("ix_deltas_queue", "run_id", "outcome", "seq"),
-                      Index("ix_deltas_content", "run_id", "sha256"))
+                      Index("ix_deltas_content", "run_id", "sha256"), Index("ix_deltas_voice", "run_id", "voice"))
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     run_id: Mapped[int] = mapped_column(ForeignKey("runs.id"))
     lease_id: Mapped[int] = mapped_column(ForeignKey("leases.id"), unique=True)
@@ -135,6 +135,8 @@ class DeltaRecord(Base):
     norm: Mapped[float | None] = mapped_column(Float, nullable=True)  # robust merging's measurements
     cosine: Mapped[float | None] = mapped_column(Float, nullable=True)
     merged_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    # the voice it speaks in (coordinator/voices.py: tokens of one address share one); None: its worker's own
+    voice: Mapped[str | None] = mapped_column(String(32), nullable=True)
 
 
 class ModelVersion(Base):

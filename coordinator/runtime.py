@@ -82,6 +82,8 @@ class RunRuntime(ExchangeFolding):
             robust.Norms({f"#{i}": [float(x)] for i, x in enumerate(norm_history or [])})
         self.exchange_ratios = robust.Norms.from_json(screen.get("exchange_ratios", []))
         self.merged_by: dict[str, int] = {str(k): int(v) for k, v in screen.get("merged", {}).items()}
+        # the workers of each shared voice's recent deltas (coordinator/voices.py), oldest first
+        self.voices: dict[str, list[str]] = {str(k): [str(w) for w in v] for k, v in screen.get("voices", {}).items()}
         self.reference_norm: float | None = screen.get("reference")
         # The reference round's own pseudo-gradient, flat: the consensus direction until the outer
         # momentum has one (a random direction has cosine ~0 with it, an honest round a clearly positive
@@ -133,7 +135,7 @@ class RunRuntime(ExchangeFolding):
     def screen_json(self) -> dict:
         """The screen's state as the checkpoint keeps it."""
         return {"deltas": self.norms.to_json(), "exchange_ratios": self.exchange_ratios.to_json(),
-                "merged": self.merged_by, "reference": self.reference_norm}
+                "merged": self.merged_by, "reference": self.reference_norm, "voices": self.voices}
 
     def calibrate(self, tokens: torch.Tensor) -> float:
         """Train the coordinator's own reference round once per run: reference_steps AdamW steps of
@@ -206,7 +208,7 @@ class RunRuntime(ExchangeFolding):
     # -- merging and evaluation ----------------------------------------------------------------
 
     def merge(self, *, seq: int, base_version: int, write_snapshot: bool = True,
-              worker: int | None = None) -> MergeOutcome:
+              worker: int | None = None, voice: str | None = None) -> MergeOutcome:
         """Process the delta stored as `seq` (which must be version + 1) and write its snapshot.
 
         Replay on restart passes write_snapshot=False: those versions already have their snapshot
@@ -216,33 +218,33 @@ class RunRuntime(ExchangeFolding):
         its own); None: unknown, the delta counts as a worker of its own at full weight."""
         if seq != self.version + 1:
             raise RuntimeError(f"merge order broken: next version is {self.version + 1}, got seq {seq}")
-        out = self._merge_one(seq, base_version, self._read_decode, worker)
+        out = self._merge_one(seq, base_version, self._read_decode, worker, voice)
         return self._finish(out, write_snapshot)
 
-    def merge_batch(self, items: Sequence[tuple[int, int] | tuple[int, int, int | None]], *,
+    def merge_batch(self, items: Sequence[tuple[int, ...]], *,
                     write_snapshot: bool = True, prefetch: bool = False) -> list[MergeOutcome]:
         """Process several stored deltas in order: items = [(seq, base_version), ...], seqs consecutive
-        from version + 1, or [(seq, base_version, worker id), ...] (see merge). The same outcomes as
+        from version + 1, or [(seq, base_version, worker id[, voice]), ...] (see merge). The same outcomes as
         calling merge() on each in turn (the same decisions and arithmetic), but only the last version
         gets a snapshot (write_snapshot=True) -- the others carry snapshot_sha256 "" and size 0, as
         merge(write_snapshot=False) does. prefetch: read and decode
         the next deltas on a helper thread meanwhile (off by default: on the 2-core reference machine
         it did not pay, docs/BENCHMARKS.md). The caller holds `lock`."""
-        items = [(it[0], it[1], it[2] if len(it) > 2 else None) for it in items]
-        for i, (seq, _, _) in enumerate(items):
+        items = [(it[0], it[1], it[2] if len(it) > 2 else None, it[3] if len(it) > 3 else None) for it in items]
+        for i, (seq, *_) in enumerate(items):
             if seq != self.version + 1 + i:
                 raise RuntimeError(f"merge order broken: item {i} should be seq {self.version + 1 + i}, got {seq}")
         if not items:
             return []
         outcomes: list[MergeOutcome] = []
         if not prefetch:
-            outcomes = [self._merge_one(seq, base, self._read_decode, worker) for seq, base, worker in items]
+            outcomes = [self._merge_one(seq, base, self._read_decode, worker, voice) for seq, base, worker, voice in items]
             outcomes[-1] = self._finish(outcomes[-1], write_snapshot)
             return outcomes
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="idletrain-decode") as pool:
-            futures = {seq: pool.submit(self._read_decode, seq) for seq, _, _ in items}
-            for seq, base, worker in items:
-                outcomes.append(self._merge_one(seq, base, lambda s: futures[s].result(), worker))
+            futures = {seq: pool.submit(self._read_decode, seq) for seq, *_ in items}
+            for seq, base, worker, voice in items:
+                outcomes.append(self._merge_one(seq, base, lambda s: futures[s].result(), worker, voice))
         outcomes[-1] = self._finish(outcomes[-1], write_snapshot)
         return outcomes
 
@@ -254,7 +256,8 @@ class RunRuntime(ExchangeFolding):
         except (OSError, DeltaFormatError) as exc:
             return exc
 
-    def _merge_one(self, seq: int, base_version: int, fetch, worker: int | None = None) -> MergeOutcome:
+    def _merge_one(self, seq: int, base_version: int, fetch, worker: int | None = None,
+                   voice: str | None = None) -> MergeOutcome:
         staleness = self.version - base_version
         cfg = self.config.outer
         weight = staleness_weight(max(0, staleness), cfg)
@@ -282,23 +285,38 @@ class RunRuntime(ExchangeFolding):
                 elif self.reference_delta is not None:
                     norm, cosine, agreement = robust_stats.flat_delta_direction(delta, self.reference_delta)
                 rcfg = self.config.robust
+                # an unknown sender counts as a worker of its own, at full weight (unit tests, old rows); the
+                # screen's record is its voice's (tokens of one address share one: coordinator/voices.py)
+                key = f"#{seq}" if worker is None else str(worker)
+                share = self._voice_share(voice, key)
                 verdict = robust.decide(norm, cosine, history=self.norms, cfg=rcfg, bound=self.adam_bound,
                                         peak=robust_stats.flat_max_abs(delta), elements=self.element_bound,
                                         reference_norm=self.reference_norm, agreement=agreement,
                                         reference_scale=self.reference_scale)
                 reason, merged, why = verdict.reason, verdict.merged, verdict.rejection
-                # an unknown sender counts as a worker of its own, at full weight (unit tests, old rows)
-                key = f"#{seq}" if worker is None else str(worker)
                 if merged:
                     ramp = 1.0 if worker is None else robust.ramp_weight(self.merged_by.get(key, 0), rcfg)
-                    self.outer.apply(delta, weight=weight * verdict.scale * ramp, cfg=cfg)
+                    self.outer.apply(delta, weight=weight * verdict.scale * ramp * share, cfg=cfg)
                     if worker is not None:
                         self.merged_by[key] = self.merged_by.get(key, 0) + 1
-                robust.remember(self.norms, verdict, rcfg, worker=key)
+                robust.remember(self.norms, verdict, rcfg, worker=voice or key)
         self.version = seq
         return MergeOutcome(seq, merged, staleness, weight, reason, "", 0,
                             norm=verdict.norm if verdict else None, cosine=verdict.cosine if verdict else None,
                             clipped=bool(verdict and verdict.action == "clip"), rejection=why)
+
+    VOICE_MEMBERS = 64  # a voice's recent deltas whose senders count as its members
+
+    def _voice_share(self, voice: str | None, worker: str) -> float:
+        """The share of a full merge weight a delta of `worker` speaking in `voice` gets: 1 in its own
+        voice, else 1 / the distinct workers among that voice's recent deltas (this one's included), so
+        that tokens of one address together weigh as one worker."""
+        if voice is None:
+            return 1.0
+        members = self.voices.setdefault(voice, [])
+        members.append(worker)
+        del members[:-self.VOICE_MEMBERS]
+        return 1.0 / len(set(members))
 
     def _finish(self, out: MergeOutcome, write_snapshot: bool) -> MergeOutcome:
         if not write_snapshot:

@@ -9,6 +9,8 @@ from typing import Annotated
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from coordinator import voices
+
 
 class CoordinatorSettings(BaseSettings):
     """Every field can also come from the environment as IDLETRAIN_<FIELD>."""
@@ -112,6 +114,12 @@ class CoordinatorSettings(BaseSettings):
     forwarded_allow_ips: str = Field("", description="comma-separated addresses or networks of the reverse "
                                      "proxies whose X-Forwarded-For is believed (`127.0.0.1` for nginx on this "
                                      "machine, docs/operations.md); empty: none, the connection's address counts")
+    # Tokens of one address speak as one voice in robust merging (coordinator/voices.py): four Sybils of one
+    # attacker then count as one worker. The coordinator's own machine is exempt (the operator's workers, the
+    # demo); a lab behind one NAT address registers a team with a key instead (docs/operations.md).
+    ungrouped_addresses: str = Field("127.0.0.1,::1", description="comma-separated addresses or networks whose "
+                                     "tokens each speak in their own voice in robust merging; tokens of any other "
+                                     "one address (an IPv6 /64) share one voice: one weight, one standing")
     merge_idle_s: float = Field(0.05, gt=0, description="merger's sleep when nothing is queued")
     processes: int = Field(1, ge=1, le=256, description="HTTP processes `serve` starts on one port (PostgreSQL "
                                                          "only); one of them merges at a time")
@@ -185,6 +193,17 @@ class CoordinatorSettings(BaseSettings):
         if "*" in parts:
             return None
         return tuple(ipaddress.ip_network(part, strict=False) for part in parts)
+
+    @field_validator("ungrouped_addresses")
+    @classmethod
+    def _ungrouped(cls, value: str) -> str:
+        voices.networks(value)  # raises, naming the bad part
+        return value
+
+    @property
+    def ungrouped_networks(self) -> list:
+        """ungrouped_addresses, parsed (coordinator/voices.py)."""
+        return voices.networks(self.ungrouped_addresses)
 
     @property
     def resolved_database_url(self) -> str:

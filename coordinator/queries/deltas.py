@@ -11,7 +11,7 @@ from coordinator.queries.leases import unheld
 
 # what an upload checks before anything is written: the lease, its run and an earlier delivery
 _UPLOAD_CHECK = (select(Lease.worker_id, Lease.run_id, Lease.shard_id, Lease.base_version, Lease.state, Lease.seed,
-                        Run.name.label("run_name"), Run.version.label("run_version"), Run.config_json,
+                        Lease.client, Run.name.label("run_name"), Run.version.label("run_version"), Run.config_json,
                         DeltaRecord.id.label("delta_id"), DeltaRecord.seq.label("delta_seq"),
                         DeltaRecord.sha256.label("delta_sha256"))
                  .join(Run, Run.id == Lease.run_id)
@@ -45,13 +45,13 @@ _INSERT = (insert(DeltaRecord).values(run_id=bindparam("run"), lease_id=bindpara
                                       base_version=bindparam("base"), size_bytes=bindparam("size"),
                                       sha256=bindparam("digest"), tokens=bindparam("round_tokens"),
                                       steps=bindparam("round_steps"), received_at=bindparam("now"),
-                                      outcome="queued")
+                                      voice=bindparam("voice"), outcome="queued")
            .returning(DeltaRecord.id))
 
 
 def upload_check(c: Connection, lease_id: int) -> Row | None:
     """The lease with its run and its delivery, if any: (worker_id, run_id, shard_id, base_version,
-    state, seed, run_name, run_version, config_json, delta_id, delta_seq, delta_sha256)."""
+    state, seed, client, run_name, run_version, config_json, delta_id, delta_seq, delta_sha256)."""
     return c.execute(_UPLOAD_CHECK, {"lease": lease_id}).first()
 
 
@@ -85,18 +85,18 @@ def same_content(c: Connection, run_id: int, digest: str, lease_id: int) -> int 
 
 
 def insert_delta(c: Connection, *, run_id: int, lease_id: int, worker_id: int, seq: int, base_version: int,
-                 size: int, sha256: str, tokens: int, steps: int, now: datetime) -> int:
+                 size: int, sha256: str, tokens: int, steps: int, now: datetime, voice: str | None = None) -> int:
     """The queued delta's row; returns its id."""
     return c.execute(_INSERT, {"run": run_id, "lease": lease_id, "worker": worker_id, "seq_no": seq,
                                "base": base_version, "size": size, "digest": sha256, "round_tokens": tokens,
-                               "round_steps": steps, "now": now}).scalar_one()
+                               "round_steps": steps, "now": now, "voice": voice}).scalar_one()
 
 
 def queued(c: Connection, run_id: int, *, after: int, through: int) -> list[Row]:
-    """(seq, base_version, lease_id, sha256, worker_id) of the run's deltas after version `after` up
-    to `through`, in order."""
+    """(seq, base_version, lease_id, sha256, worker_id, voice) of the run's deltas after version `after`
+    up to `through`, in order."""
     return list(c.execute(select(DeltaRecord.seq, DeltaRecord.base_version, DeltaRecord.lease_id,
-                                 DeltaRecord.sha256, DeltaRecord.worker_id).where(
+                                 DeltaRecord.sha256, DeltaRecord.worker_id, DeltaRecord.voice).where(
         DeltaRecord.run_id == run_id, DeltaRecord.seq > after, DeltaRecord.seq <= through)
         .order_by(DeltaRecord.seq)))
 
@@ -127,3 +127,11 @@ def merged_tokens(c: Connection, run_id: int, through: int) -> int:
     """Tokens in the run's merged deltas up to version `through`."""
     return int(c.scalar(select(func.coalesce(func.sum(DeltaRecord.tokens), 0)).where(
         DeltaRecord.run_id == run_id, DeltaRecord.seq <= through, DeltaRecord.outcome == "merged")))
+
+
+def voice_members(c: Connection, run_id: int, worker_id: int) -> list[int]:
+    """The other workers whose deltas of the run spoke in a voice this worker's did (coordinator/voices.py)."""
+    mine = select(DeltaRecord.voice).where(DeltaRecord.run_id == run_id, DeltaRecord.worker_id == worker_id,
+                                          DeltaRecord.voice.is_not(None)).distinct()
+    return list(c.scalars(select(DeltaRecord.worker_id).where(
+        DeltaRecord.run_id == run_id, DeltaRecord.voice.in_(mine), DeltaRecord.worker_id != worker_id).distinct()))

@@ -55,7 +55,8 @@ class Coordinator:
                                            workers=self.workers)
         self.uploads = UploadService(
             self.db, self.storage, limiter=limiter, workers=self.workers, live=self.live, validations=validations,
-            in_flight=limits.InFlight(settings.max_concurrent_uploads, what="delta uploads"), spotchecks=self.spotchecks)
+            in_flight=limits.InFlight(settings.max_concurrent_uploads, what="delta uploads"), spotchecks=self.spotchecks,
+            ungrouped=settings.ungrouped_networks)
         self.exchanges = ExchangeService(
             self.db, limiter=limiter, workers=self.workers, live=self.live, recovery=self.recovery,
             traffic=self.traffic, validations=validations,

@@ -161,9 +161,9 @@ class RecoveryService:
                 n_exchanges += 1
 
         exchanges_after(rt.version)
-        for seq, base_version, lease_id, sha, worker_id in todo:
+        for seq, base_version, lease_id, sha, worker_id, voice in todo:
             self.storage.adopt_delta(rt.run_id, seq, lease_id, sha)  # acknowledged, not merged before the crash
-            rt.merge(seq=seq, base_version=base_version, write_snapshot=False, worker=worker_id)
+            rt.merge(seq=seq, base_version=base_version, write_snapshot=False, worker=worker_id, voice=voice)
             exchanges_after(seq)
         return len(todo), n_exchanges
 

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import hashlib
 import threading
+from collections.abc import Sequence
 
 from sqlalchemy import Connection, Row
 
-from coordinator import credit, limits, scheduler, spotcheck, timing
+from coordinator import credit, limits, scheduler, spotcheck, timing, voices
 from coordinator.db import Database
 from coordinator.errors import Conflict, Gone, ServiceError, Unprocessable
 from coordinator.models import utcnow
@@ -49,8 +50,9 @@ def _judged(error: type[ServiceError], message: str) -> Refused:
 class UploadService:
     def __init__(self, db: Database, storage: Storage, *, limiter: RateLimiter, workers: WorkerService,
                  live: LiveRuns, validations: limits.Slots, in_flight: limits.InFlight,
-                 spotchecks: SpotCheckService | None = None) -> None:
+                 spotchecks: SpotCheckService | None = None, ungrouped: Sequence[voices.Network] = ()) -> None:
         self.db, self.storage, self.limiter, self.workers, self.live = db, storage, limiter, workers, live
+        self.ungrouped = list(ungrouped)  # addresses whose tokens each keep their own voice (coordinator/voices.py)
         self.spotchecks = spotchecks  # replay spot-checks: a sampled lease's delta is kept and checked later
         # HTTP-layer bounds (coordinator/limits.py), per process: the route holds an upload's slot from
         # before its body is read; decoding a body holds a validation slot (shared with exchanges)
@@ -229,7 +231,9 @@ class UploadService:
             worker_rows.delivered(c, worker.id, tokens=tokens, size=size)
             delta_id = delta_rows.insert_delta(c, run_id=lease.run_id, lease_id=lease_id, worker_id=worker.id,
                                                seq=seq, base_version=lease.base_version, size=size, sha256=digest,
-                                               tokens=tokens, steps=steps, now=utcnow())
+                                               tokens=tokens, steps=steps, now=utcnow(),
+                                               voice=voices.voice_of(lease.client, team_id=worker.team_id,
+                                                                     ungrouped=self.ungrouped))
             checked = spot_check and check_rows.pending_count(c, lease.run_id) < spotcheck.MAX_PENDING
             if checked:
                 check_rows.insert_pending(c, run_id=lease.run_id, lease_id=lease_id, worker_id=worker.id,

@@ -34,13 +34,17 @@ from shared.config import RunConfig
 log = logging.getLogger(__name__)
 
 
-def judged_outcomes(c: Connection, worker_id: int, cfg: RunConfig) -> list[tuple[str, str | None]]:
+def judged_outcomes(c: Connection, worker_id: int, cfg: RunConfig,
+                    members: list[int] | None = None) -> list[tuple[str, str | None]]:
     """(outcome, reason) of the worker's last trust.RECENT judged events, oldest first: its deltas
     judged at merge that speak about the worker (trust.judged) and the requests refused for its own
-    doing (Refusal rows, outcome "rejected"), interleaved by time."""
-    rows, refused = worker_rows.recent_judged(c, worker_id, trust.RECENT)
-    events = [(aware(at), 0, (outcome, reason, staleness)) for outcome, reason, staleness, at in rows]
-    events += [(aware(at), 1, ("rejected", reason, None)) for reason, at in refused]
+    doing (Refusal rows, outcome "rejected"), interleaved by time. `members`: the workers that speak in
+    one voice with it (coordinator/voices.py), whose events are its own too."""
+    events = []
+    for wid in [worker_id, *(members or [])]:
+        rows, refused = worker_rows.recent_judged(c, wid, trust.RECENT)
+        events += [(aware(at), 0, (outcome, reason, staleness)) for outcome, reason, staleness, at in rows]
+        events += [(aware(at), 1, ("rejected", reason, None)) for reason, at in refused]
     events.sort(key=lambda e: (e[0], e[1]))
     return trust.judged([row for _, _, row in events[-trust.RECENT:]], max_staleness=cfg.outer.max_staleness)
 
@@ -199,13 +203,21 @@ class WorkerService:
 
     @staticmethod
     def judge(c: Connection, worker_id: int, current: str, cfg: RunConfig) -> None:
-        """Update the worker's standing (`current`) from its recent judged events (coordinator/trust.py)."""
-        verdict = trust.standing(judged_outcomes(c, worker_id, cfg), current=current, cfg=cfg.robust)
-        if verdict.state != current:
-            log.warning("run %s: worker %d is now %s: %s", cfg.name, worker_id, verdict.state, verdict.reason)
-            worker_rows.set_standing(c, worker_id, verdict.state, verdict.reason)
-            if verdict.state == "banned":  # it delivers nothing more: its shards go back to the queue now
-                _abandon_leases(c, worker_id)
+        """Update the worker's standing (`current`) from its recent judged events (coordinator/trust.py),
+        and its voice's other members' with it: tokens of one address are judged together, on all
+        their events (coordinator/voices.py)."""
+        w = worker_rows.by_id(c, worker_id)
+        members = delta_rows.voice_members(c, w.run_id, worker_id) if w is not None else []
+        for wid in [worker_id, *members]:
+            state = current if wid == worker_id else worker_rows.by_id(c, wid).standing
+            others = [m for m in [worker_id, *members] if m != wid]
+            verdict = trust.standing(judged_outcomes(c, wid, cfg, others), current=state, cfg=cfg.robust)
+            if verdict.state != state:
+                reason = verdict.reason if wid == worker_id else f"with the tokens of its address: {verdict.reason}"
+                log.warning("run %s: worker %d is now %s: %s", cfg.name, wid, verdict.state, reason)
+                worker_rows.set_standing(c, wid, verdict.state, reason)
+                if verdict.state == "banned":  # it delivers nothing more: its shards go back to the queue now
+                    _abandon_leases(c, wid)
 
     @staticmethod
     def check_throttle(c: Connection, worker: Caller, cfg: RunConfig) -> None:
