@@ -177,4 +177,4 @@ def test_a_refused_registration_is_not_admitted(status):
     with pytest.raises(NotAdmitted) as refused:
         c.register("t", protocol.RegisterRequest(name="ada"))
     assert refused.value.message().startswith("the coordinator does not admit this worker (the name 'ada' is taken "
-                                              "in run 't'): change --name, --team or --contributor-key")
+                                              "in run 't'): change --name, --team, --contributor-key or --team-key")
