@@ -14,7 +14,7 @@
     api             open_api(settings) for the length of one test
     run             the tiny run "t" created on `api` (its RunConfig)
     make_delta      a valid encoded delta for a lease, from a seeded random pseudo-gradient
-    train_delta     a valid encoded delta for a lease, from a real LocalTrainer round
+    train_delta     a valid encoded delta for a lease, from a real LocalTrainer round (local_round)
     encode_unchecked  the delta envelope without the encoder's own checks (NaN, names)
 
 Tests drive merging themselves with `api.drain()`; nothing runs in the background.
@@ -500,22 +500,30 @@ def make_delta():
     return make
 
 
-@pytest.fixture
-def train_delta():
-    """train(api, lease, headers, trainer=None) -> encoded delta from a real local round on the
-    lease's snapshot and shard (downloaded through the API, hashes checked)."""
+def local_round(api: Api, lease: protocol.Lease, headers: dict, trainer=None, *, exchange=None):
+    """A real local round of `lease` (worker.trainer's RoundResult): its snapshot (unless the trainer
+    holds its replica) and shard downloaded through the API, hashes checked; `exchange` as train_round's."""
     from shared.snapshot import decode_snapshot
     from worker.trainer import LocalTrainer
 
-    def train(api: Api, lease: protocol.Lease, headers: dict, trainer: LocalTrainer | None = None) -> bytes:
+    trainer = trainer or LocalTrainer(torch.device("cpu"))
+    params = None
+    if trainer.needs_snapshot(lease):
         snap = api.client.get(f"{API}/runs/{lease.run}/snapshots/{lease.base_version}")
         assert hashlib.sha256(snap.content).hexdigest() == snap.headers[protocol.H_SHA256]
         params, _ = decode_snapshot(snap.content, schema=schema_of(lease))
-        raw = api.shard(lease.shard_id, headers, run=lease.run)
-        assert hashlib.sha256(raw).hexdigest() == lease.shard_sha256
-        tokens = torch.from_numpy(np.frombuffer(raw, dtype=np.uint8).copy())
-        trainer = trainer or LocalTrainer(torch.device("cpu"))
-        return trainer.train_round(lease, params, tokens).body
+    raw = api.shard(lease.shard_id, headers, run=lease.run)
+    assert hashlib.sha256(raw).hexdigest() == lease.shard_sha256
+    tokens = torch.from_numpy(np.frombuffer(raw, dtype=np.uint8).copy())
+    return trainer.train_round(lease, params, tokens, exchange=exchange)
+
+
+@pytest.fixture
+def train_delta():
+    """train(api, lease, headers, trainer=None) -> encoded delta from a real local round on the
+    lease's snapshot and shard (local_round)."""
+    def train(api: Api, lease: protocol.Lease, headers: dict, trainer=None) -> bytes:
+        return local_round(api, lease, headers, trainer).body
 
     return train
 

@@ -19,11 +19,13 @@ own and remembers it, so that:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -197,6 +199,20 @@ class Idletrain:
             assert f"worker done: {rounds} rounds delivered" in log, log[-3000:]
             logs.append(log)
         return logs
+
+    @classmethod
+    @contextlib.contextmanager
+    def serving(cls, root: Path, corpus_dir: Path) -> Iterator[tuple[Idletrain, str, httpx.Client]]:
+        """(the processes, the coordinator's URL, an operator's client) of a `coordinator serve` in
+        `root`, for the length of the block; every process is stopped after it."""
+        lb = cls(root)
+        try:
+            url = lb.serve(lb.root / "data", corpus_dir)
+            with httpx.Client(base_url=url, timeout=120) as admin:
+                admin.headers.update(admin_headers(lb.root / "data"))
+                yield lb, url, admin
+        finally:
+            lb.close()
 
     def close(self) -> None:
         for proc in self.started[1:]:

@@ -13,7 +13,7 @@ import torch
 
 from coordinator.settings import CoordinatorSettings
 from shared import codec, protocol
-from tests.conftest import API, schema_of
+from tests.conftest import API, local_round, schema_of
 from worker.trainer import LocalTrainer
 
 WORKERS, ROUNDS = 8, 6
@@ -213,13 +213,7 @@ def train_sparta(open_api, tmp_path, run_config, attack: bool) -> tuple[float, d
                     refused.append(resp.status_code)
                     continue
                 lease = protocol.Lease.model_validate(resp.json())
-                base = None
-                if trainers[i].needs_snapshot(lease):
-                    from shared.snapshot import decode_snapshot
-                    base, _ = decode_snapshot(api.snapshot(lease.base_version, run=name), schema=schema_of(lease))
-                tokens = torch.from_numpy(np.frombuffer(api.shard(lease.shard_id, headers, run=name),
-                                                        dtype=np.uint8).copy())
-                result = trainers[i].train_round(lease, base, tokens, exchange=exchanger(i, lease, headers))
+                result = local_round(api, lease, headers, trainers[i], exchange=exchanger(i, lease, headers))
                 resp = api.upload(lease.lease_id, result.body, headers)
                 if resp.status_code != 202:
                     assert i == 0 and attack, (resp.status_code, resp.text)

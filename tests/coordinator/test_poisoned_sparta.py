@@ -22,8 +22,7 @@ from shared.algorithms.sparta import exchange_seed
 from shared.algorithms.sparta import select as sparta_select
 from shared.config import RunConfig
 from shared.model import build_model, set_params
-from shared.snapshot import decode_snapshot
-from tests.conftest import API, schema_of
+from tests.conftest import API, local_round, schema_of
 from worker.trainer import LocalTrainer
 
 HONEST, ROUNDS = 3, 6
@@ -150,12 +149,7 @@ def train(open_api, tmp_path, run_config, attack: str | None, *, sparta: dict) -
                     refused.append(resp.status_code)
                     continue
                 lease = protocol.Lease.model_validate(resp.json())
-                base = None
-                if trainers[i].needs_snapshot(lease):
-                    base, _ = decode_snapshot(api.snapshot(lease.base_version, run=name), schema=schema_of(lease))
-                tokens = torch.from_numpy(np.frombuffer(api.shard(lease.shard_id, headers, run=name),
-                                                        dtype=np.uint8).copy())
-                result = trainers[i].train_round(lease, base, tokens, exchange=exchanger(i, lease, headers))
+                result = local_round(api, lease, headers, trainers[i], exchange=exchanger(i, lease, headers))
                 if i == 0:  # never delivered: versions count the honest rounds only
                     api.client.delete(f"{API}/leases/{lease.lease_id}", headers=headers)
                     continue

@@ -26,7 +26,7 @@ with warnings.catch_warnings():
 
 from coordinator.settings import CoordinatorSettings
 from shared import codec, protocol
-from tests.conftest import API, BASE_URL, Api, schema_of
+from tests.conftest import API, BASE_URL, Api, local_round, schema_of
 from worker.trainer import LocalTrainer
 
 HONEST, SYBILS, ROUNDS = 4, 4, 6
@@ -123,7 +123,7 @@ def train(open_api, tmp_path, run_config, attack: str | None) -> tuple[list[floa
                     assert sybil, (resp.status_code, resp.text)  # a Sybil, throttled or banned
                     continue
                 lease = protocol.Lease.model_validate(resp.json())
-                body = train_delta(client, lease, headers, trainers[i], name)
+                body = local_round(client, lease, headers, trainers[i]).body
                 if sybil:
                     sent = codec.decode(body, schema=schema_of(lease))
                     flat = sybil_delta(attack, rt, flat_of(sent, rt), round_no, rng, drift)
@@ -137,16 +137,6 @@ def train(open_api, tmp_path, run_config, attack: str | None) -> tuple[list[floa
         for t in trainers:
             t.close()
         return losses, status, listed
-
-
-def train_delta(client: Api, lease: protocol.Lease, headers: dict, trainer: LocalTrainer, run: str) -> bytes:
-    from shared.snapshot import decode_snapshot
-
-    base = None
-    if trainer.needs_snapshot(lease):
-        base, _ = decode_snapshot(client.snapshot(lease.base_version, run=run), schema=schema_of(lease))
-    tokens = torch.from_numpy(np.frombuffer(client.shard(lease.shard_id, headers, run=run), dtype=np.uint8).copy())
-    return trainer.train_round(lease, base, tokens).body
 
 
 @pytest.mark.parametrize("attack", ["aligned-anti", "caps", "drift"])

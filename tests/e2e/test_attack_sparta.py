@@ -37,14 +37,8 @@ MODEL = {"n_layer": 1, "d_model": 32, "n_head": 2, "context": 32}
 
 @pytest.fixture(scope="module")
 def coordinator(tmp_path_factory, corpus_dir) -> Iterator[tuple[procs.Idletrain, str, httpx.Client]]:
-    lb = procs.Idletrain(tmp_path_factory.mktemp("attack-sparta"))
-    try:
-        url = lb.serve(lb.root / "data", corpus_dir)
-        with httpx.Client(base_url=url, timeout=120) as admin:
-            admin.headers.update(procs.admin_headers(lb.root / "data"))
-            yield lb, url, admin
-    finally:
-        lb.close()
+    with procs.Idletrain.serving(tmp_path_factory.mktemp("attack-sparta"), corpus_dir) as served:
+        yield served
 
 
 class Attacker(threading.Thread):
