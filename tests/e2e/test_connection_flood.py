@@ -233,7 +233,7 @@ def test_each_of_several_processes_guards_its_connections(tmp_path: Path, corpus
                            env={**procs.env(), "IDLETRAIN_HEAD_TIMEOUT_S": "2", "IDLETRAIN_MAX_CONNECTIONS_PER_ADDRESS": "3"})
         try:
             with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as http:
-                procs.wait_healthy(http, proc, log, timeout_s=180)
+                procs.wait_healthy(http, proc, log)
             held = []
             for _ in range(20):  # at most 3 per process are admitted, whichever process takes each
                 s = socket.socket()

@@ -39,7 +39,7 @@ def _cli(root: Path, url: str, *args: str) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
 
 
-def _wait_state(client: httpx.Client, run: str, state: str, log: Path, timeout_s: float = 60) -> dict:
+def _wait_state(client: httpx.Client, run: str, state: str, log: Path, timeout_s: float = 180) -> dict:
     deadline = time.monotonic() + timeout_s
     while True:
         st = client.get(f"/api/v1/runs/{run}/status").json()

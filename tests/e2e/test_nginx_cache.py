@@ -116,7 +116,7 @@ def test_nginx_caches_snapshots_and_updates_for_a_herd_of_workers(tmp_path: Path
         front = httpx.Client(base_url=f"http://127.0.0.1:{nginx_port}", timeout=60,
                              limits=httpx.Limits(max_connections=100, max_keepalive_connections=100))
         procs.wait_healthy(direct, coord, coord_log)
-        procs.wait_healthy(front, nginx, root / "error.log", timeout_s=20)  # /healthz through nginx
+        procs.wait_healthy(front, nginx, root / "error.log", timeout_s=60)  # /healthz through nginx
         started = time.monotonic()
 
         # A run with a version per delta; the run, the worker and every upload go through nginx.

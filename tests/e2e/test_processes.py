@@ -88,7 +88,7 @@ def test_processes_share_one_merger_and_take_over_when_it_dies(tmp_path: Path, c
         try:
             # three server processes each import torch and the app: on a loaded 2-core machine that once took
             # over the default 60 s (alone: a few seconds)
-            procs.wait_healthy(http, proc, log, timeout_s=180)
+            procs.wait_healthy(http, proc, log)
             cfg = RunConfig.model_validate({
                 "name": "crash", "corpus": str(corpus_dir), "corpus_max_bytes": 1 << 18, "shard_tokens": 1024,
                 "eval_tokens": 4096, "eval_every": 3,

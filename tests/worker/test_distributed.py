@@ -215,7 +215,7 @@ def test_a_torchrun_worker_of_two_processes_trains_against_a_coordinator(tmp_pat
     try:
         with httpx.Client(base_url=url, timeout=60) as client:
             try:
-                wait_healthy(client, coord, 60)
+                wait_healthy(client, coord, 300)
             except RuntimeError as exc:
                 pytest.fail(f"{exc}:\n{coord_log.read_text()[-3000:]}")
             created = client.post("/api/v1/runs", headers=admin_headers(tmp_path / "data"), json={
