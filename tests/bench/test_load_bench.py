@@ -90,7 +90,7 @@ def test_load_bench_postgresql_two_processes_with_updates(tmp_path):
     res = _bench(tmp_path, "--database-url", PG_URL, "--pull", "update", "--processes", "2", duration_s=4)
     assert res["meta"]["database"] == "postgresql" and res["meta"]["processes"] == 2
     _check(res, tmp_path, pull="update")
-    assert schemas() == before  # the fresh schema was dropped
+    assert not schemas() - before  # the fresh schema was dropped (another suite's may come and go meanwhile)
     probe = res["meta"]["update_probe"]
     assert probe is None or (probe["status"] == 200 and probe["bytes"] > 0)
 
