@@ -13,6 +13,7 @@ installed, pyarrow for .parquet input, and the standard library only).
     protocol.py   the JSON contract of /api/v1 and its version
     codec/        the delta wire format (versioned envelope, index and value codecs)
     snapshot.py   model snapshots: zstd(safetensors), checked on load
+    optim_state.py an optimizer's state by parameter name (the worker's checkpoints, the start states)
     hf.py         a model as a Hugging Face folder (config.json, transformers' tensor names, tokenizer files)
     algorithms/   the math of a round: the algorithm registry, inner steps, compression + error
                   feedback, merge rule, exchanges, model updates
