@@ -29,7 +29,7 @@ from shared.extras import MissingExtra
 log = logging.getLogger(__name__)
 
 # the routes whose bodies are deltas (coordinator/api/uploads.py, exchanges.py): read under max_upload_bytes
-UPLOAD_PATHS = re.compile(rf"^{re.escape(protocol.API_PREFIX)}/leases/\d+/(delta|exchange)$")
+UPLOAD_PATHS = re.compile(rf"^{re.escape(protocol.API_PREFIX)}/leases/\d+/(delta|exchange|start-state)$")
 
 
 class Election:

@@ -276,3 +276,8 @@ class SpotCheck(Base):
     credit_revoked: Mapped[float] = mapped_column(Float, default=0.0)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)  # when judged
+    # the worker's commitment to its round's start state (shared/algorithms/start_state.py), from its
+    # upload's headers; NULL: none made (an older worker). received_at: the bytes arrived and matched.
+    state_sha256: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    state_bytes: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    state_received_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)

@@ -134,6 +134,11 @@ class CoordinatorSettings(BaseSettings):
     # trains one round for every 50 delivered, in a background thread at the lowest priority.
     spot_check_rate: float = Field(0.02, ge=0, le=1, description="share of delivered leases whose round the "
                                    "coordinator re-trains and compares with the delta sent; 0 disables")
+    # A sampled lease whose upload committed to its start state is checked from that state, which the
+    # worker sends once told (right after the acknowledgement, or after its restart): a check whose state
+    # has not come this long after the delta fails.
+    spot_check_state_wait_s: float = Field(6 * 3600.0, gt=0, description="seconds a sampled lease's committed "
+                                           "start state may take to arrive before its check fails")
     # Per-worker rate limits (requests per second, burst); 0 turns one off. Over it: 429 + Retry-After.
     lease_rate: float = Field(2.0, ge=0, description="lease requests per second per worker")
     lease_burst: float = Field(20.0, ge=1)

@@ -38,7 +38,8 @@ def bounds(*, first_lease: bool) -> SpotCheckBounds:
 
 
 def not_checkable(cfg: RunConfig, *, first_lease: bool) -> str | None:
-    """Why a run's round cannot be compared with its replay (None: it can)."""
+    """Why a run's round cannot be compared with its replay (None: it can). `first_lease`: the round
+    starts from a state the replay holds too (a fresh AdamW, or the worker's committed start state)."""
     if cfg.algorithm != "diloco":
         return f"a {cfg.algorithm} round's progress also travels through its exchanges: no replay compares with it"
     if cfg.compression.index != "dense" and cfg.compression.error_feedback and not first_lease:

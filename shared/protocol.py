@@ -34,6 +34,10 @@ H_BASE_VERSION = "X-Base-Version"
 H_UPDATE_FEEDBACK = "X-Update-Feedback"  # "1" on a model update taken from the worker's copy (update_feedback)
 H_API_VERSION = "X-Idletrain-Api"  # on a worker's requests: its API version (absent: the current one)
 H_MAX_BODY = "X-Max-Body-Bytes"  # on a 413: the largest body the route takes
+# On a delta upload: the worker's commitment to its round's start state (shared/algorithms/start_state.py),
+# the SHA-256 (lowercase hex) and the size in bytes of the state it keeps until told it is not wanted.
+H_START_STATE = "X-Start-State-SHA256"
+H_START_STATE_BYTES = "X-Start-State-Bytes"
 
 # The exact forms of what a coordinator sends that a worker puts in a file name, a URL or a header:
 # the worker does not trust the coordinator either, and checks them before using any.
@@ -188,6 +192,9 @@ class DeltaAccepted(_Body):
     delta_id: int = Field(ge=1, le=MAX_ID)
     will_merge_into: int = Field(ge=0, le=MAX_ID, description="the model version this delta becomes part of")
     duplicate: bool = False
+    start_state_wanted: bool = Field(False, description="the lease is spot-checked: send the start state the upload "
+                                                        "committed to (PUT .../start-state); only ever true for "
+                                                        "an upload that made a commitment")
 
 
 class EvalPoint(_Body):
@@ -392,7 +399,8 @@ class RunMetrics(_Body):
 __all__ = [
     "API_PREFIX", "API_VERSION", "DeltaAccepted", "EvalPoint", "H_API_VERSION", "H_BASE_VERSION", "H_MAX_BODY",
     "H_UPDATE_FEEDBACK",
-    "H_SHA256", "H_VERSION", "MIN_API_VERSION", "lease_api_version", "lease_compression",
+    "H_SHA256", "H_START_STATE", "H_START_STATE_BYTES", "H_VERSION", "MIN_API_VERSION", "lease_api_version",
+    "lease_compression",
     "Health", "Lease", "RegisterRequest", "RegisterResponse", "RunConfig", "RunCreated", "RunStatus", "RunSummary",
     "WorkerInfo", "LeaseRenewed", "Dashboard", "LeaderboardEntry", "LiveWorker", "RunMetrics", "TeamEntry",
 ]

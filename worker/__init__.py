@@ -26,6 +26,7 @@ It only ever connects outward, and it minds its host.
 
   local state
     state.py        StateStore: the round in flight and any unsent delta, saved atomically for resume
+    start_states.py each round's start state, kept until its spot-check no longer wants it, then sent
     caches.py       TokenStore (credentials per coordinator and run), ShardCache (shards by hash)
 
   manners

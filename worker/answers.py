@@ -20,8 +20,11 @@ re-exports them); the loop, the delivery and the connection act on their kind:
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping
+from datetime import UTC, datetime
+from email.utils import parsedate_to_datetime
 
 import httpx
 
@@ -232,3 +235,25 @@ def why(exc: BaseException) -> str:
     if isinstance(exc, CoordinatorError):
         return f"HTTP {exc.status}: {exc.detail}"
     return repr(exc)
+
+
+MAX_RETRY_AFTER_S = 600.0  # a Retry-After longer than this is taken as this
+
+
+def retry_after_s(value: str | None) -> float | None:
+    """A Retry-After header (seconds or an HTTP date) in seconds, within 0..MAX_RETRY_AFTER_S."""
+    if not value:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        try:
+            when = parsedate_to_datetime(value)
+        except (TypeError, ValueError):
+            return None
+        if when.tzinfo is None:
+            when = when.replace(tzinfo=UTC)
+        seconds = (when - datetime.now(UTC)).total_seconds()
+    if math.isnan(seconds):
+        return None
+    return min(MAX_RETRY_AFTER_S, max(0.0, seconds))

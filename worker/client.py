@@ -21,12 +21,9 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
-import math
 import random
 import time
 from collections.abc import Callable, Iterator
-from datetime import UTC, datetime
-from email.utils import parsedate_to_datetime
 from typing import TypeVar
 
 import httpx
@@ -34,40 +31,20 @@ import zstandard
 from pydantic import BaseModel, ValidationError
 
 from shared import protocol
-from worker.answers import (DELTA_REFUSED, LEASE_LOST, REDELIVERY_REFUSED, Blocked, CoordinatorError, NotAdmitted,
-                            RunUnavailable, UploadTooLarge, VersionRefused, error_for, is_transient, spoken_version,
-                            version_refusal, why)
+from worker.answers import (DELTA_REFUSED, LEASE_LOST, MAX_RETRY_AFTER_S, REDELIVERY_REFUSED, Blocked,
+                            CoordinatorError, NotAdmitted, RunUnavailable, UploadTooLarge, VersionRefused, error_for,
+                            is_transient, retry_after_s, spoken_version, version_refusal, why)
 from worker.reading import ACCEPT_ENCODING, IntegrityError, read_body
 from worker.throttle import TokenBucket, paced
 
 log = logging.getLogger(__name__)
 
-MAX_RETRY_AFTER_S = 600.0  # a Retry-After longer than this is taken as this
 MACHINE_CAP_TEXT = "this worker's download cap allows (--max-params, --max-memory)"  # what an answer over it says
 
 
 def backoff_delay(attempt: int) -> float:
     """Exponential backoff with jitter: 0.5 s doubling per attempt, capped at 60 s, spread 0.5x..1.5x."""
     return min(60.0, 0.5 * 2 ** attempt) * (0.5 + random.random())
-
-
-def retry_after_s(value: str | None) -> float | None:
-    """A Retry-After header (seconds or an HTTP date) in seconds, within 0..MAX_RETRY_AFTER_S."""
-    if not value:
-        return None
-    try:
-        seconds = float(value)
-    except ValueError:
-        try:
-            when = parsedate_to_datetime(value)
-        except (TypeError, ValueError):
-            return None
-        if when.tzinfo is None:
-            when = when.replace(tzinfo=UTC)
-        seconds = (when - datetime.now(UTC)).total_seconds()
-    if math.isnan(seconds):
-        return None
-    return min(MAX_RETRY_AFTER_S, max(0.0, seconds))
 
 
 # The error answers and their kinds live in worker/answers.py; importers keep taking them from here.
@@ -358,21 +335,31 @@ class CoordinatorClient:
         """Give a lease up before training it (DELETE; coordinators before 2026-12 answer 405)."""
         self._request("DELETE", f"{protocol.API_PREFIX}/leases/{lease_id}", max_retries=1)
 
-    def upload_delta(self, lease_id: int, body: bytes) -> protocol.DeltaAccepted:
+    def upload_delta(self, lease_id: int, body: bytes, *,
+                     start_state: tuple[str, int] | None = None) -> protocol.DeltaAccepted:
         """UploadTooLarge (naming both sizes) when the body is over the coordinator's cap: refused
-        here, without sending it, when its /healthz said the cap."""
+        here, without sending it, when its /healthz said the cap. `start_state`: (SHA-256, size) of
+        the round's start state this worker keeps (worker/start_states.py), committed to here."""
         cap = self.max_upload_bytes
         if cap is not None and len(body) > cap:
             raise UploadTooLarge(413, f"not sent: {len(body)} bytes, over the cap of {cap} bytes its /healthz says",
                                  limit_bytes=cap, size_bytes=len(body))
         try:
+            commit = {} if start_state is None else {protocol.H_START_STATE: start_state[0],
+                                                     protocol.H_START_STATE_BYTES: str(start_state[1])}
             resp = self._request("POST", f"{protocol.API_PREFIX}/leases/{lease_id}/delta", content=body,
-                                 headers={"Content-Type": "application/octet-stream"})
+                                 headers={"Content-Type": "application/octet-stream", **commit})
         except UploadTooLarge as exc:
             exc.size_bytes = len(body)
             raise
         self.bytes_up += len(body)
         return _parse(protocol.DeltaAccepted, resp, "acknowledgement")
+
+    def upload_start_state(self, lease_id: int, blob: bytes) -> None:
+        """Send a spot-checked lease's committed start state (its acknowledgement asked for it)."""
+        self._request("PUT", f"{protocol.API_PREFIX}/leases/{lease_id}/start-state", content=blob,
+                      headers={"Content-Type": "application/octet-stream"})
+        self.bytes_up += len(blob)
 
     def exchange(self, lease_id: int, step: int, body: bytes) -> bytes:
         """A sparse exchange (sparta) after local step `step`: sends the encoded values, returns the

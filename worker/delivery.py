@@ -29,6 +29,7 @@ from worker.client import (DELTA_REFUSED, REDELIVERY_REFUSED, Blocked, Coordinat
 from worker.ledger import OwnDeltas
 from worker.progress import Progress
 from worker.saver import Saver
+from worker.start_states import StartStates
 from worker.state import StateStore
 from worker.trainer import LocalTrainer, RoundResult
 
@@ -63,9 +64,10 @@ class Delivery:
     `inflight` is the one uploading in the background."""
 
     def __init__(self, client: CoordinatorClient, store: StateStore, saver: Saver, trainer: LocalTrainer,
-                 progress: Progress, own: OwnDeltas) -> None:
+                 progress: Progress, own: OwnDeltas, starts: StartStates | None = None) -> None:
         self.client, self.store, self.saver, self.trainer = client, store, saver, trainer
         self.progress, self.own = progress, own
+        self.starts = starts if starts is not None else StartStates(store.dir / "starts")
         self.rounds = 0
         self.inflight: Upload | None = None
 
@@ -78,7 +80,7 @@ class Delivery:
         """Upload a saved delta; forget it once answered. None when refused for good (its content
         goes back to the residual); transient failures and Blocked refusals raise and leave it on disk."""
         try:
-            ack = self.client.upload_delta(lease.lease_id, body)
+            ack = self.client.upload_delta(lease.lease_id, body, start_state=self.starts.commitment(lease.lease_id))
         except CoordinatorError as exc:
             if exc.status not in (REDELIVERY_REFUSED if redelivery else DELTA_REFUSED):
                 raise
@@ -95,6 +97,15 @@ class Delivery:
         self.own.acked(lease.lease_id, ack)
         self.rounds += 1
         self.progress.utilisation.acked()
+        self.checked(lease, ack)
+
+    def checked(self, lease: protocol.Lease, ack: protocol.DeltaAccepted) -> None:
+        """The acknowledgement asks for the round's start state (a spot-check): send it now, on the
+        training thread (a transient failure leaves it marked, sent at the next acknowledgement or start)."""
+        if ack.start_state_wanted:
+            self.starts.want(lease.lease_id)
+        if self.starts.wanted():
+            self.starts.send_wanted(self.client)
 
     def take_back(self, lease: protocol.Lease, body: bytes) -> None:
         """A refused delta's content goes back to the residual (on the training thread, between
@@ -123,7 +134,8 @@ class Delivery:
         delta's file; settle() handles the answer on the training thread."""
         def send() -> protocol.DeltaAccepted | CoordinatorError:
             try:
-                ack = self.client.upload_delta(lease.lease_id, result.body)
+                ack = self.client.upload_delta(lease.lease_id, result.body,
+                                               start_state=self.starts.commitment(lease.lease_id))
             except CoordinatorError as exc:
                 if exc.status not in DELTA_REFUSED:
                     raise
@@ -161,6 +173,7 @@ class Delivery:
         self.own.acked(up.lease.lease_id, outcome)
         self.rounds += 1
         log_round(up.lease, up.result, outcome)
+        self.checked(up.lease, outcome)
 
     def finish(self) -> None:
         """Stopping: settle the upload in flight; a transient failure leaves its delta on disk."""

@@ -184,6 +184,7 @@ class Worker:
                     exchange=lambda step, body: self.client.exchange(lease.lease_id, step, body),  # sparta
                     checkpoint=self.saver.save, checkpoint_every=self.settings.checkpoint_every_steps,
                     on_step=self._step_hook(lease),
+                    on_start=lambda blob: self.delivery.starts.keep(lease.lease_id, blob),
                     gate=lambda step, save: self.governor.hold(lease, step, save, self.stop.event))
         except RoundSuspended as exc:
             log.info("lease %d: round set aside at step %d/%d (saved; it resumes when training may go on)",
@@ -283,6 +284,7 @@ class Worker:
         if health is None:
             return False
         self.recovery.restore()
+        self.delivery.starts.send_wanted(self.client)  # spot-checks that asked before a restart
         if self.lease_ahead is None:
             self.lease_ahead = bool(getattr(health, "keeps_delivering_lease", False))
         return True

@@ -35,6 +35,7 @@ from collections.abc import Callable, Mapping
 import torch
 
 from shared import codec, protocol
+from shared.algorithms import start_state
 from shared.algorithms.compress import compress_with_feedback, delta_to_tensors
 from shared.algorithms.inner import make_optimizer, pseudo_gradient, run_steps
 from shared.algorithms.registry import ALGORITHMS, End, Start
@@ -207,7 +208,8 @@ class LocalTrainer:
                     exchange: ExchangeFn | None = None,
                     resume: RoundState | None = None,
                     checkpoint: CheckpointFn | None = None, checkpoint_every: int = 0,
-                    gate: GateFn | None = None, ahead: Mapping[str, torch.Tensor] | None = None) -> RoundResult:
+                    gate: GateFn | None = None, ahead: Mapping[str, torch.Tensor] | None = None,
+                    on_start: Callable[[bytes], None] | None = None) -> RoundResult:
         """One round. `base` (the lease's snapshot) may be None when needs_snapshot() is False.
         `exchange` sends the sparta exchanges of this lease; without it a sparta round trains alone.
 
@@ -226,9 +228,14 @@ class LocalTrainer:
         and its pseudo-gradient is taken against that start: this round's progress only. Started
         from the bare base instead, the round would learn those deltas' progress again and send it
         twice -- an overshoot the coordinator's screening sees as a delta pointing against the
-        consensus (docs/BENCHMARKS.md)."""
+        consensus (docs/BENCHMARKS.md).
+
+        `on_start(blob)` (a new round that ends with a pseudo-gradient): the round's start state
+        (start_state_blob), before the first step; its upload commits to it (worker/start_states.py)."""
         t0 = time.perf_counter()
         start, base = self._start_round(lease, base, resume, ahead)
+        if on_start is not None and resume is None and ALGORITHMS[lease.algorithm].ends_with is End.PSEUDO_GRADIENT:
+            on_start(self.start_state_blob())
         round_base = None if ALGORITHMS[lease.algorithm].ends_with is End.EMPTY else dict(base)
         gen = torch.Generator().manual_seed(lease.seed)
         if resume is not None:
@@ -326,6 +333,12 @@ class LocalTrainer:
         return run_steps(self.model, self.opt, tokens, lease.inner, lr=lease.lr, steps=steps, generator=generator,
                          step_offset=step_offset, on_step=on_step, micro_batch=self.micro_batch(lease),
                          autocast=self.autocast)
+
+    def start_state_blob(self) -> bytes:
+        """The state the next steps start from that the coordinator does not hold: the optimizer's
+        state, the error-feedback residual and the steps done (shared/algorithms/start_state.py)."""
+        opt = optimizer_state(self.model, self.opt) if self.opt is not None and self.opt.state else None
+        return start_state.encode(opt, self.residual, steps_done=self.steps_done)
 
     # -- checkpoints ------------------------------------------------------------------------------
 

@@ -4,14 +4,34 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from sqlalchemy import Connection, Row, func, insert, select, update
+from sqlalchemy import Connection, Row, func, insert, or_, select, update
 
 from coordinator.models import DeltaRecord, Lease, Run, Shard, SpotCheck
 
 
-def insert_pending(c: Connection, *, run_id: int, lease_id: int, worker_id: int, base_version: int) -> None:
+def insert_pending(c: Connection, *, run_id: int, lease_id: int, worker_id: int, base_version: int,
+                   state_sha256: str | None = None, state_bytes: int | None = None) -> None:
     c.execute(insert(SpotCheck).values(run_id=run_id, lease_id=lease_id, worker_id=worker_id,
-                                       base_version=base_version, verdict="pending", credit_revoked=0.0))
+                                       base_version=base_version, verdict="pending", credit_revoked=0.0,
+                                       state_sha256=state_sha256, state_bytes=state_bytes))
+
+
+def start_state_of(c: Connection, lease_id: int) -> Row | None:
+    """The lease and its check as its start state concerns them: (run_id, worker_id, verdict, state_sha256,
+    state_bytes, state_received_at), the check's columns None when the lease is not checked; None when
+    there is no such lease."""
+    return c.execute(select(Lease.run_id, Lease.worker_id, SpotCheck.verdict, SpotCheck.state_sha256,
+                            SpotCheck.state_bytes, SpotCheck.state_received_at)
+                     .outerjoin(SpotCheck, SpotCheck.lease_id == Lease.id)
+                     .where(Lease.id == lease_id)).first()
+
+
+def start_state_received(c: Connection, lease_id: int, at: datetime) -> bool:
+    """Mark the lease's committed start state arrived; False when it is no longer wanted."""
+    return c.execute(update(SpotCheck).where(SpotCheck.lease_id == lease_id, SpotCheck.verdict == "pending",
+                                             SpotCheck.state_sha256.is_not(None),
+                                             SpotCheck.state_received_at.is_(None))
+                     .values(state_received_at=at)).rowcount == 1
 
 
 def pending_count(c: Connection, run_id: int) -> int:
@@ -25,17 +45,21 @@ def pending_bases(c: Connection, run_id: int) -> set[int]:
                                                               SpotCheck.verdict == "pending")))
 
 
-def next_ready(c: Connection, *, after_id: int = 0) -> Row | None:
-    """The oldest pending check (id > after_id) whose delta the merger has judged: (id, run_id, lease_id,
-    worker_id, base_version, seed, lr, shard_index, seq, sha256, outcome, tokens, received_at, leased_at,
-    config_json)."""
+def next_ready(c: Connection, *, state_due: datetime, after_id: int = 0) -> Row | None:
+    """The oldest pending check (id > after_id) whose delta the merger has judged and whose committed
+    start state arrived, or was due by `state_due` (a delta received before it): (id, run_id,
+    lease_id, worker_id, base_version, seed, lr, shard_index, seq, sha256, outcome, tokens,
+    received_at, leased_at, config_json, state_sha256, state_received_at)."""
     return c.execute(
         select(SpotCheck.id, SpotCheck.run_id, SpotCheck.lease_id, SpotCheck.worker_id, SpotCheck.base_version,
-               Lease.seed, Lease.lr, Shard.index.label("shard_index"), DeltaRecord.seq, DeltaRecord.sha256, DeltaRecord.outcome,
-               DeltaRecord.tokens, DeltaRecord.received_at, Lease.created_at.label("leased_at"), Run.config_json)
+               Lease.seed, Lease.lr, Shard.index.label("shard_index"), DeltaRecord.seq, DeltaRecord.sha256,
+               DeltaRecord.outcome, DeltaRecord.tokens, DeltaRecord.received_at, Lease.created_at.label("leased_at"),
+               Run.config_json, SpotCheck.state_sha256, SpotCheck.state_received_at)
         .join(Lease, Lease.id == SpotCheck.lease_id).join(Shard, Shard.id == Lease.shard_id)
         .join(DeltaRecord, DeltaRecord.lease_id == SpotCheck.lease_id).join(Run, Run.id == SpotCheck.run_id)
-        .where(SpotCheck.verdict == "pending", SpotCheck.id > after_id, DeltaRecord.outcome != "queued")
+        .where(SpotCheck.verdict == "pending", SpotCheck.id > after_id, DeltaRecord.outcome != "queued",
+               or_(SpotCheck.state_sha256.is_(None), SpotCheck.state_received_at.is_not(None),
+                   DeltaRecord.received_at < state_due))
         .order_by(SpotCheck.id).limit(1)).first()
 
 

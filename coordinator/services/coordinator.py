@@ -52,7 +52,8 @@ class Coordinator:
         self.downloads = DownloadService(self.db, self.storage, traffic=self.traffic, live=self.live,
                                          copies_keep=settings.update_copies_keep)
         self.spotchecks = SpotCheckService(self.db, self.storage, rate=settings.spot_check_rate, live=self.live,
-                                           workers=self.workers)
+                                           workers=self.workers,
+                                           state_wait_s=settings.spot_check_state_wait_s)
         self.uploads = UploadService(
             self.db, self.storage, limiter=limiter, workers=self.workers, live=self.live, validations=validations,
             in_flight=limits.InFlight(settings.max_concurrent_uploads, what="delta uploads"), spotchecks=self.spotchecks,

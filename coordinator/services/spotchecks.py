@@ -10,7 +10,11 @@ gives it, one check at a time: it takes the oldest pending check whose delta the
 (so that a revoked credit is one that was awarded), re-trains the round on CPU from the base
 snapshot (less the worker's own earlier deltas it does not hold yet, as the worker's round starts:
 worker/ledger.py), the shard, the seed and the lr of the lease (shared/algorithms/spotcheck.py),
-and records the verdict. A failed check revokes the credit the delta earned and counts against the
+and records the verdict. Where the upload committed to its round's start state (the worker's AdamW
+state and residual: shared/algorithms/start_state.py), the acknowledgement asks for it, the check
+waits until it came (`receive_start_state`: its hash must be the committed one) and replays from
+it, held to the exact bounds; a state that never comes (state_wait_s), or that AdamW could not
+have left, fails the check. A failed check revokes the credit the delta earned and counts against the
 worker's standing as a refusal does (throttled, then banned: coordinator/trust.py); the delta, if
 merged, stays merged. Requests and merges never wait for it.
 """
@@ -18,23 +22,28 @@ merged, stays merged. Requests and merges never wait for it.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
+from datetime import timedelta
 
 import torch
 import zstandard
+from sqlalchemy import Row
 
 from coordinator import credit, spotcheck, trust
 from coordinator.db import Database
+from coordinator.errors import Conflict, NotFound
 from coordinator.models import utcnow
 from coordinator.queries import spotchecks as check_rows
 from coordinator.queries import workers as worker_rows
-from coordinator.services.common import aware
+from coordinator.services.common import Caller, aware, owned
 from coordinator.services.live import LiveRuns
 from coordinator.services.workers import WorkerService
-from coordinator.storage import Storage
+from coordinator.storage import ReceivedBody, Storage
 from shared import codec
 from shared.algorithms import spotcheck as replay
+from shared.algorithms import start_state
 from shared.config import RunConfig
 from shared.data import tokens_from_bytes
 from shared.snapshot import decode_snapshot
@@ -49,11 +58,18 @@ def copy_name(storage: Storage, run_id: int, lease_id: int, sha256: str) -> str:
     return f"{storage.run_dir(run_id)}/spotchecks/{lease_id:010d}-{sha256[:32]}.delta"
 
 
+def state_name(storage: Storage, run_id: int, lease_id: int) -> str:
+    """Where a sampled lease's start state is kept until its check is done."""
+    return f"{storage.run_dir(run_id)}/spotchecks/{lease_id:010d}.start"
+
+
 class SpotCheckService:
     IDLE_S = 2.0  # the checker's wait when nothing is ready
 
-    def __init__(self, db: Database, storage: Storage, *, rate: float, live: LiveRuns, workers: WorkerService) -> None:
+    def __init__(self, db: Database, storage: Storage, *, rate: float, live: LiveRuns, workers: WorkerService,
+                 state_wait_s: float = 6 * 3600.0) -> None:
         self.db, self.storage, self.rate, self.live, self.workers = db, storage, rate, live, workers
+        self.state_wait_s = state_wait_s
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -68,6 +84,30 @@ class SpotCheckService:
         name = copy_name(self.storage, run_id, lease_id, sha256)
         self.storage.write(name, body)
         return name
+
+    def state_wanted(self, lease_id: int, worker: Caller) -> Row:
+        """The lease's check row while it is pending with a commitment (404/403 otherwise; a state that
+        came already is still wanted, so that a retry after a lost answer is answered alike)."""
+        with self.db.read() as c:
+            row = owned(check_rows.start_state_of(c, lease_id), lease_id, worker)
+        if row.state_sha256 is None or row.verdict != "pending":
+            raise NotFound(f"lease {lease_id}'s start state is not wanted: its check made no commitment, or "
+                           "was judged already")
+        return row
+
+    def receive_start_state(self, lease_id: int, worker: Caller, body: ReceivedBody) -> None:
+        """Keep the start state the route streamed to a file: it must be the committed bytes (409)."""
+        row = self.state_wanted(lease_id, worker)
+        if body.sha256 != row.state_sha256 or body.size != row.state_bytes:
+            raise Conflict(f"lease {lease_id}'s start state is not what its upload committed to (SHA-256 "
+                           f"{body.sha256[:12]}..., {body.size} bytes; committed {row.state_sha256[:12]}..., "
+                           f"{row.state_bytes} bytes)")
+        if row.state_received_at is not None:
+            return  # the same bytes again
+        self.storage.stage_received(body, state_name(self.storage, row.run_id, lease_id))
+        with self.db.begin() as c:
+            check_rows.start_state_received(c, lease_id, utcnow())
+        self._wake.set()
 
     # -- the checker --------------------------------------------------------------------------------
 
@@ -110,14 +150,14 @@ class SpotCheckService:
     def run_next(self) -> bool:
         """Judge the oldest ready check; False when none is ready."""
         with self.db.read() as c:
-            row = check_rows.next_ready(c)
+            row = check_rows.next_ready(c, state_due=utcnow() - timedelta(seconds=self.state_wait_s))
             if row is None:
                 return False
             first = check_rows.first_lease(c, row.worker_id, row.lease_id)
             offset = check_rows.steps_before(c, row.worker_id, row.seq)
             ahead = check_rows.ahead_of(c, row.worker_id, row.lease_id, row.base_version, AHEAD)
         cfg = RunConfig.model_validate_json(row.config_json)
-        why = spotcheck.not_checkable(cfg, first_lease=first)
+        why = spotcheck.not_checkable(cfg, first_lease=first or row.state_sha256 is not None)
         result = None
         if why is None:
             try:
@@ -129,10 +169,31 @@ class SpotCheckService:
                 why = f"the replay failed: {exc!r}"
         self._record(row, cfg, result, skipped=why)
         self.storage.delete(copy_name(self.storage, row.run_id, row.lease_id, row.sha256))
+        self.storage.delete(state_name(self.storage, row.run_id, row.lease_id))
         return True
+
+    def _start_state(self, row, cfg: RunConfig, schema) -> start_state.StartState | str | None:
+        """The committed start state the round is replayed from (None: no commitment was made), or why
+        the check fails on it (a str): it never came, or it is no state the run's optimizer leaves."""
+        if row.state_sha256 is None:
+            return None
+        if row.state_received_at is None:
+            return (f"its round's start state, committed with its upload, was not sent within "
+                    f"{self.state_wait_s:g} s")
+        blob = self.storage.read(state_name(self.storage, row.run_id, row.lease_id))
+        try:
+            state = start_state.decode(blob, schema=schema, limit=start_state.max_bytes(schema))
+        except ValueError as exc:
+            return f"its round's start state is not one: {exc}"
+        why = (start_state.incomplete(state, schema=schema, group=cfg.inner.second_moment_workers > 1)
+               or start_state.implausible(state, beta1=cfg.inner.beta1, beta2=cfg.inner.beta2))
+        return f"its round's start state is no AdamW state: {why}" if why else state
 
     def _compare(self, row, cfg: RunConfig, *, first: bool, offset: int, ahead: list) -> replay.Comparison:
         schema = self.live.schema_of(row.run_id)
+        state = self._start_state(row, cfg, schema)
+        if isinstance(state, str):
+            return replay.Comparison(math.nan, math.nan, False, state)
         base, _ = decode_snapshot(self.storage.read(self.storage.snapshot(row.run_id, row.base_version)),
                                   schema=schema)
         for seq, lease_id, sha in ahead:  # the worker started from its base minus these (worker/ledger.py)
@@ -143,16 +204,32 @@ class SpotCheckService:
                 continue  # pruned already: the replay starts a little off, within the carried bounds
             for name, values in codec.decode(self.storage.read(blob), schema=schema).to_dense(schema).items():
                 base[name] = base[name] - torch.from_numpy(values).reshape(base[name].shape)
-        raw = zstandard.ZstdDecompressor().stream_reader(
-            self.storage.read(self.storage.shard(row.run_id, row.shard_index))).read()
-        tokens = tokens_from_bytes(raw, cfg.tokens.dtype)
+        tokens = self._tokens(row.run_id, row.shard_index, cfg)
         sent = codec.decode(self.storage.read(copy_name(self.storage, row.run_id, row.lease_id, row.sha256)),
                             schema=schema)
         pg = replay.replay_round(cfg.model, cfg.inner, base, tokens, lr=row.lr, seed=row.seed,
-                                 step_offset=0 if first else offset)
+                                 step_offset=0 if first else offset, start=state,
+                                 feedback_decay=cfg.compression.feedback_decay)
         values, ref = replay.on_support(sent, pg)
-        return replay.compare(values, ref, spotcheck.bounds(first_lease=first),
-                              rounded=replay.rounded_on_support(sent, pg))
+        rounded = replay.rounded_on_support(sent, pg)
+        if state is None:
+            return replay.compare(values, ref, spotcheck.bounds(first_lease=first), rounded=rounded)
+        # the control: the same start state on another shard, with other batches (compare_committed)
+        control = replay.replay_round(cfg.model, cfg.inner, base, self._tokens(row.run_id, self._other_shard(
+            row.run_id, row.shard_index), cfg), lr=row.lr, seed=row.seed ^ replay.CONTROL_SEED, start=state,
+            feedback_decay=cfg.compression.feedback_decay)
+        return replay.compare_committed(values, ref, rounded, replay.on_support(sent, control)[1])
+
+    def _tokens(self, run_id: int, index: int, cfg: RunConfig) -> torch.Tensor:
+        raw = zstandard.ZstdDecompressor().stream_reader(self.storage.read(self.storage.shard(run_id, index))).read()
+        return tokens_from_bytes(raw, cfg.tokens.dtype)
+
+    def _other_shard(self, run_id: int, index: int) -> int:
+        """A shard of the run other than `index` (the next, else the one before); `index` if it is the only one."""
+        for other in (index + 1, index - 1):
+            if other >= 0 and self.storage.exists(self.storage.shard(run_id, other)):
+                return other
+        return index
 
     def _record(self, row, cfg: RunConfig, result: replay.Comparison | None, *, skipped: str | None) -> None:
         now = utcnow()

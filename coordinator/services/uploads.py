@@ -73,11 +73,13 @@ class UploadService:
         return lease.run_id
 
     def accept(self, lease_id: int, worker: Caller, body: bytes | ReceivedBody, *,
-               prechecked: bool = False) -> protocol.DeltaAccepted:
+               prechecked: bool = False, commitment: tuple[str, int] | None = None) -> protocol.DeltaAccepted:
         """Validate and acknowledge a lease's delta: 202's answer once its bytes are fsynced and its row
         committed. `body`: its bytes, or the file the route streamed it to (storage.ReceivedBody, hashed
         as it arrived; renamed to its staged name once it passes). `prechecked`: precheck ran before
-        the body was read (and took the rate limit's token)."""
+        the body was read (and took the rate limit's token). `commitment`: (SHA-256, size) of the
+        round's start state the worker keeps (shared/algorithms/start_state.py); a sampled lease's
+        acknowledgement then asks for it (start_state_wanted)."""
         if not prechecked:
             rate_limit(self.limiter, "upload", worker)
         with timing.phase("hash"):
@@ -87,7 +89,8 @@ class UploadService:
         if lease.delta_id is not None:
             if lease.delta_sha256 == digest:  # a retry after a lost answer: same answer, merged once
                 return protocol.DeltaAccepted(lease_id=lease_id, delta_id=lease.delta_id,
-                                              will_merge_into=lease.delta_seq, duplicate=True)
+                                              will_merge_into=lease.delta_seq, duplicate=True,
+                                              start_state_wanted=self._wants_state(lease_id, commitment))
             raise Conflict(f"lease {lease_id} already delivered a different delta")
         if lease.state == "abandoned":
             raise Gone(f"lease {lease_id} was given up when this worker took a newer lease")
@@ -110,7 +113,7 @@ class UploadService:
             try:
                 with self.db.connect() as c:
                     acked = self.ack(c, lease_id, lease, worker, len(body), digest, tokens, cfg, staged, steps=steps,
-                                     spot_check=kept is not None)
+                                     spot_check=kept is not None, commitment=commitment)
                     return acked
             finally:
                 self._ack_lock.release()
@@ -119,6 +122,15 @@ class UploadService:
         except Refused as refused:  # after any rollback: counted in a transaction of its own
             self.workers.count_refusal(worker.id, lease.run_id, len(body), reason=refused.reason)
             raise refused.error from None
+
+    def _wants_state(self, lease_id: int, commitment: tuple[str, int] | None) -> bool:
+        """Whether a delivered lease's check waits for the start state this upload commits to."""
+        if commitment is None:
+            return False
+        with self.db.read() as c:
+            row = check_rows.start_state_of(c, lease_id)
+        return (row is not None and row.verdict == "pending" and row.state_received_at is None
+                and (row.state_sha256, row.state_bytes) == commitment)
 
     def _check(self, lease_id: int, lease: Row, cfg: RunConfig, body: bytes | ReceivedBody) -> None:
         """The body's checks; raises Refused."""
@@ -177,7 +189,7 @@ class UploadService:
 
     def ack(self, c: Connection, lease_id: int, lease: Row, worker: Caller, size: int, digest: str, tokens: int,
             cfg: RunConfig, staged: str, *, steps: int | None = None,
-            spot_check: bool = False) -> protocol.DeltaAccepted:
+            spot_check: bool = False, commitment: tuple[str, int] | None = None) -> protocol.DeltaAccepted:
         """The acknowledgement itself, under the process's _ack_lock: the delta's sequence number, its
         row and every count, in one transaction (its bytes are stored already, as `staged`). Rows
         are locked in coordinator/queries' order (lease, shard, run, worker): the run's row, which
@@ -202,7 +214,8 @@ class UploadService:
                     self.storage.delete(staged)  # ours alone: the delivered delta's blob has another name
                     raise Conflict(f"lease {lease_id} already delivered a different delta")
                 return protocol.DeltaAccepted(lease_id=lease_id, delta_id=prior.id,
-                                              will_merge_into=prior.seq, duplicate=True)
+                                              will_merge_into=prior.seq, duplicate=True,
+                                              start_state_wanted=self._wants_state(lease_id, commitment))
             delta_rows.shard_trained(c, lease.shard_id)  # the shard's row is ours now
             # Past its deadline (swept or not), a lease delivers only while its shard was not
             # re-issued: otherwise the shard is trained twice and a hoarder keeps its leases' credit.
@@ -237,8 +250,11 @@ class UploadService:
             checked = spot_check and check_rows.pending_count(c, lease.run_id) < spotcheck.MAX_PENDING
             if checked:
                 check_rows.insert_pending(c, run_id=lease.run_id, lease_id=lease_id, worker_id=worker.id,
-                                          base_version=lease.base_version)
+                                          base_version=lease.base_version,
+                                          state_sha256=commitment[0] if commitment else None,
+                                          state_bytes=commitment[1] if commitment else None)
             c.commit()
         if spot_check and not checked:  # too many checks wait: this one is not taken
             self.storage.delete(copy_name(self.storage, lease.run_id, lease_id, digest))
-        return protocol.DeltaAccepted(lease_id=lease_id, delta_id=delta_id, will_merge_into=seq)
+        return protocol.DeltaAccepted(lease_id=lease_id, delta_id=delta_id, will_merge_into=seq,
+                                      start_state_wanted=checked and commitment is not None)

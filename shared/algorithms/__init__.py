@@ -10,6 +10,7 @@
     robust.py      screening before the merge: norm bound, median clip/reject, direction check
     robust_stats.py what the screen measures of a delta: norm, cosine, agreement, peak
     spotcheck.py   the replay spot-check: re-train a lease's round, compare it with the delta sent
+    start_state.py a round's start state (AdamW state, residual): its bytes, checks and moment bound
     sparta.py      sparse elastic exchanges with the global model
     exchange_screen.py  an exchange's limits from its own lease's reach; clip, blend, refuse
     sync.py        incremental model downloads: the int8 change between two versions, or from the

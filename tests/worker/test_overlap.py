@@ -114,7 +114,7 @@ class FakeClient:
     def renew(self, lease_id: int, *, step: int):
         raise AssertionError("no lease here is near its deadline")
 
-    def upload_delta(self, lease_id: int, body: bytes) -> protocol.DeltaAccepted:
+    def upload_delta(self, lease_id: int, body: bytes, *, start_state=None) -> protocol.DeltaAccepted:
         c = self.c
         c.note("upload", lease_id, threading.current_thread() is threading.main_thread())
         sha = hashlib.sha256(body).hexdigest()

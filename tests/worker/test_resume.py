@@ -167,7 +167,7 @@ def test_a_round_killed_midway_resumes_and_delivers_the_same_lease(api, long_run
     w2, t2 = make_worker(api, tmp_path, every=3)
     uploaded: list[bytes] = []
     real_upload = w2.client.upload_delta
-    w2.client.upload_delta = lambda lid, body: (uploaded.append(body), real_upload(lid, body))[1]
+    w2.client.upload_delta = lambda lid, body, **kw: (uploaded.append(body), real_upload(lid, body, **kw))[1]
     with caplog.at_level(logging.INFO, logger="worker"):
         assert w2.run() == 1
     assert f"resuming lease {lease_id} at step 6/{STEPS}" in caplog.text

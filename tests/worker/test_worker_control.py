@@ -140,9 +140,9 @@ def record_uploads(worker: Worker) -> list[tuple[int, bytes]]:
     uploads: list[tuple[int, bytes]] = []
     real = worker.client.upload_delta
 
-    def upload(lease_id: int, body: bytes):
+    def upload(lease_id: int, body: bytes, **kw):
         uploads.append((lease_id, body))
-        return real(lease_id, body)
+        return real(lease_id, body, **kw)
 
     worker.client.upload_delta = upload
     return uploads
