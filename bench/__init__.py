@@ -41,4 +41,6 @@ here when this folder is importable.
     hostile.py             docs/reliability.md's hostile-coordinator and oversized-record figures: a real
                            worker against 3 GiB answers, `data prepare` of one huge line (`python -m
                            bench.hostile` prints them)
+    spotcheck.py           `spotcheck`: honest, replayed, borrowed, stale and crafted deltas against the
+                           replay spot-check at rate 1, first and later leases, fp32 and bf16 autocast
 """
