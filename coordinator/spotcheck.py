@@ -46,3 +46,11 @@ def not_checkable(cfg: RunConfig, *, first_lease: bool) -> str | None:
         return ("a sparse delta with error feedback carries values its earlier rounds did not send: only a "
                 "worker's first round compares with the replay")
     return None
+
+
+def replays_from_state(cfg: RunConfig) -> bool:
+    """Whether a sampled lease's check asks for the round's committed start state and replays from it.
+    Not with update_feedback: the worker's round starts from its own copy of the model, which the
+    replay from the base snapshot does not reproduce (an honest int1 round measured cosine 0.91-0.94
+    with it, below EXACT): such runs keep the check without a state (CARRIED on later leases)."""
+    return not cfg.update_feedback

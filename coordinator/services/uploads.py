@@ -201,6 +201,8 @@ class UploadService:
         `spot_check`: the lease was sampled for a replay spot-check (its delta's copy is kept): its
         pending row is added, unless the run has spotcheck.MAX_PENDING waiting already."""
         steps = cfg.inner.steps if steps is None else steps
+        if not spotcheck.replays_from_state(cfg):
+            commitment = None  # its check replays without the state: not asked for
         with timing.phase("lock"):
             delivered = delta_rows.mark_delivered(c, lease_id)
             if delivered is None:
