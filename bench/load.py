@@ -154,7 +154,7 @@ def _run(mcfg, *, model: str, workers: list[int], think_s: float, duration_s: fl
                 "fraction": fraction, "delta": costs, "database": "postgresql" if db.url else "sqlite", "pull": pull,
                 "think_s": think_s, "warmup_s": warmup_s, "duration_s": duration_s, "shards": created["n_shards"],
                 "shard_tokens": SHARD_TOKENS, "shard_scan_ms": scan, "run_create_s": round(create_s, 1),
-                "request_timeout_s": REQUEST_TIMEOUT_S,
+                "request_timeout_s": REQUEST_TIMEOUT_S, "schema": db.schema,
                 "coordinator_env": {**COORDINATOR_ENV, **{k: os.environ[k] for k in PASSED_ENV if k in os.environ}},
                 "processes": processes, "cpus": os.cpu_count(), "python": sys.version.split()[0],
                 "httpx": httpx.__version__,

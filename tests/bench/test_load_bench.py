@@ -90,7 +90,8 @@ def test_load_bench_postgresql_two_processes_with_updates(tmp_path):
     res = _bench(tmp_path, "--database-url", PG_URL, "--pull", "update", "--processes", "2", duration_s=4)
     assert res["meta"]["database"] == "postgresql" and res["meta"]["processes"] == 2
     _check(res, tmp_path, pull="update")
-    assert not schemas() - before  # the fresh schema was dropped (another suite's may come and go meanwhile)
+    assert res["meta"]["schema"].startswith("bench_load_") and res["meta"]["schema"] not in before
+    assert res["meta"]["schema"] not in schemas()  # its fresh schema was dropped (another suite's may be there)
     probe = res["meta"]["update_probe"]
     assert probe is None or (probe["status"] == 200 and probe["bytes"] > 0)
 
