@@ -24,6 +24,7 @@ with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     from fastapi.testclient import TestClient
 
+from coordinator import trust
 from coordinator.settings import CoordinatorSettings
 from shared import codec, protocol
 from tests.conftest import API, BASE_URL, Api, local_round, schema_of
@@ -140,7 +141,11 @@ def train(open_api, tmp_path, run_config, attack: str | None) -> tuple[list[floa
 
 
 @pytest.mark.parametrize("attack", ["aligned-anti", "caps", "drift"])
-def test_four_sybils_beside_four_honest_workers(open_api, tmp_path, run_config, attack):
+def test_four_sybils_beside_four_honest_workers(open_api, tmp_path, run_config, attack, monkeypatch):
+    # A throttle lasts 30 s of wall time: on a loaded machine (CI, two suites at once) rounds took longer,
+    # the throttled Sybils leased again, their later deltas pushed the refusals out of the voice's window
+    # and it stood 'ok' at the end. The rounds, not the machine's speed, decide it here.
+    monkeypatch.setattr(trust, "THROTTLE_S", 1e6)
     if "clean" not in _CLEAN:
         _CLEAN["clean"] = train(open_api, tmp_path, run_config, None)
         _CLEAN["clean8"] = train(open_api, tmp_path, run_config, "clean8")
