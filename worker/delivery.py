@@ -64,10 +64,10 @@ class Delivery:
     `inflight` is the one uploading in the background."""
 
     def __init__(self, client: CoordinatorClient, store: StateStore, saver: Saver, trainer: LocalTrainer,
-                 progress: Progress, own: OwnDeltas, starts: StartStates | None = None) -> None:
+                 progress: Progress, own: OwnDeltas) -> None:
         self.client, self.store, self.saver, self.trainer = client, store, saver, trainer
         self.progress, self.own = progress, own
-        self.starts = starts if starts is not None else StartStates(store.dir / "starts")
+        self.starts = StartStates(store.dir / "starts")
         self.rounds = 0
         self.inflight: Upload | None = None
 
@@ -104,8 +104,7 @@ class Delivery:
         training thread (a transient failure leaves it marked, sent at the next acknowledgement or start)."""
         if ack.start_state_wanted:
             self.starts.want(lease.lease_id)
-        if self.starts.wanted():
-            self.starts.send_wanted(self.client)
+        self.starts.send_wanted(self.client)  # nothing when nothing is wanted
 
     def take_back(self, lease: protocol.Lease, body: bytes) -> None:
         """A refused delta's content goes back to the residual (on the training thread, between
