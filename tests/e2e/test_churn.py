@@ -313,7 +313,12 @@ def test_workers_killed_and_restarted_at_random_still_train_every_shard(tmp_path
             rnd, unsent = killed[i]["round"], killed[i]["unsent"]
             if unsent is not None:
                 assert f"lease {unsent}: delivering its delta saved before the interruption" in text, text[-3000:]
-                assert lease_state_of[unsent] == "delivered" and unsent in deltas
+                if f"lease {unsent}: delta refused (HTTP 410" in text:
+                    # its lease expired while the worker was down (TTL_S is short; a loaded machine
+                    # restarts slowly) and its shard went to another worker: not taken (issue 18)
+                    assert lease_state_of[unsent] == "expired" and unsent not in deltas
+                else:
+                    assert lease_state_of[unsent] == "delivered" and unsent in deltas, text[-3000:]
             elif rnd is not None:
                 lease_id, step = rnd
                 assert f"resuming lease {lease_id} at step {step}/{STEPS}" in text, text[-3000:]

@@ -108,9 +108,10 @@ def p99(xs: list[float]) -> float:
 
 
 def run_config(corpus: Path) -> dict:
-    """A tiny run with a shard for every lease the test makes; no screen refuses a random delta (the
+    """A tiny run with a shard for every lease the test makes (four times what the honest workers took
+    on an idle machine: with every free shard out, a lease request gets 204); no screen refuses a random delta (the
     honest workers' standing must not throttle them into 429s), no spot check takes the CPU."""
-    return {"name": RUN, "corpus": str(corpus), "corpus_max_bytes": 1 << 20, "shard_tokens": 1024,
+    return {"name": RUN, "corpus": str(corpus), "corpus_max_bytes": 1 << 21, "shard_tokens": 1024,
             "eval_tokens": 4096, "eval_every": 50, "model": {"n_layer": 1, "n_head": 2, "d_model": 32, "context": 32},
             "inner": {"steps": 3, "batch_size": 2}, "outer": {"group": 4}, "robust": {"enabled": False},
             "compression": {"index": "dense", "values": "int8", "error_feedback": False}, "epochs": 0}
@@ -133,7 +134,7 @@ def attacker_leases(url: str) -> list[tuple[int, str]]:
 @pytest.mark.slow
 def test_idle_sockets_and_trickling_uploads_from_one_address_leave_honest_workers_served(tmp_path: Path):
     raise_open_files(IDLE + TRICKLES + 500)
-    corpus = write_corpus(tmp_path / "corpus", n_files=400)  # 400 KB: ~390 shards of 1024 tokens
+    corpus = write_corpus(tmp_path / "corpus", n_files=1600)  # 1.6 MB: ~1,560 shards of 1024 tokens
     its = procs.Idletrain(tmp_path)
     floods: list[Flood] = []
     try:
