@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 from coordinator import checkpoints
 from coordinator.models import utcnow
+from coordinator.queries import compensations as compensation_rows
 from coordinator.queries import deltas as delta_rows
 from coordinator.queries import leases as lease_rows
 from coordinator.queries import runs as run_rows
@@ -20,6 +21,7 @@ from coordinator.queries import spotchecks as check_rows
 from coordinator.queries import versions as version_rows
 from coordinator.runtime import MergeOutcome, RunRuntime
 from coordinator.services.coordinator import Coordinator
+from shared import codec
 
 log = logging.getLogger(__name__)
 
@@ -152,6 +154,7 @@ class Merger:
         settings, cfg = self.coord.settings, rt.config
         with self.coord.db.read() as c:
             rows = delta_rows.queued(c, rt.run_id, after=rt.version, through=rt.version + self.BATCH + 1)
+            undo = [row for row in compensation_rows.pending(c, rt.run_id) if row.seq <= rt.version]
         # (seq, base version, worker, voice): the screen judges each voice's own record
         items: list[tuple[int, int, int]] = []
         for seq, base, lease_id, sha, worker_id, voice in rows[:self.BATCH]:
@@ -176,8 +179,9 @@ class Merger:
             if rt.removed:  # deleted since this step began: nothing of it is merged or written
                 return 0
             try:
+                undone = self._compensate(rt, undo)
                 outs = rt.merge_batch(items, write_snapshot=snapshot)
-                self._commit(rt, outs)
+                self._commit(rt, outs, undone)
             except Exception:
                 # The weights moved (merge_batch moves them before it writes the snapshot) but the
                 # database did not: rebuild this run from its checkpoint and a replay of what was
@@ -225,13 +229,33 @@ class Merger:
         self._behind.discard(run_id)
         log.info("run %d reloaded from its checkpoint and the committed deltas", run_id)
 
-    def _commit(self, rt: RunRuntime, outs: list[MergeOutcome]) -> None:
+    def _compensate(self, rt: RunRuntime, rows: list) -> tuple[list[int], list[int]]:
+        """Take back the merged deltas found false since (coordinator/queries/compensations.py), before the
+        batch's first version; returns the ids of the rows applied and of those that cannot be (their
+        kept bytes are gone: deleted by hand; logged, never guessed), committed with the batch."""
+        done, lost = [], []
+        for row in rows:
+            try:
+                blob = rt.storage.read(rt.storage.compensation(rt.run_id, row.seq))
+            except FileNotFoundError:
+                log.error("run %s: the kept bytes of delta %d are gone; it cannot be compensated",
+                          rt.config.name, row.seq)
+                lost.append(row.id)
+                continue
+            rt.compensate(row.seq, codec.decode_flat(blob, schema=rt.schema, offsets=rt.outer.offsets), row.applied)
+            done.append(row.id)
+        return done, lost
+
+    def _commit(self, rt: RunRuntime, outs: list[MergeOutcome],
+                undone: tuple[list[int], list[int]] = ([], [])) -> None:
         first, last = outs[0].version, outs[-1].version
         with self.coord.db.begin() as c:
+            compensation_rows.applied_before(c, rt.run_id, undone[0], first)
+            compensation_rows.applied_before(c, rt.run_id, undone[1], compensation_rows.LOST)
             for out in outs:
                 delta_rows.record_outcome(c, rt.run_id, out.version, merged=out.merged, staleness=out.staleness,
                                           weight=out.weight, reason=out.reason, norm=out.norm, cosine=out.cosine,
-                                          at=utcnow())
+                                          at=utcnow(), applied=out.applied)
                 if out.snapshot_sha256:  # versions between snapshots exist only in the merger's memory
                     version_rows.record(c, run_id=rt.run_id, version=out.version, sha256=out.snapshot_sha256,
                                         size=out.snapshot_size)

@@ -137,6 +137,9 @@ class DeltaRecord(Base):
     merged_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
     # the voice it speaks in (coordinator/voices.py: tokens of one address share one); None: its worker's own
     voice: Mapped[str | None] = mapped_column(String(32), nullable=True)
+    # what merging it moved each weight by per unit of its values (runtime.MergeOutcome.applied); NULL
+    # for a delta merged before this was recorded: such a delta cannot be compensated
+    applied: Mapped[float | None] = mapped_column(Float, nullable=True)
 
 
 class ModelVersion(Base):
@@ -281,3 +284,21 @@ class SpotCheck(Base):
     state_sha256: Mapped[str | None] = mapped_column(String(64), nullable=True)
     state_bytes: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     state_received_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+
+
+class Compensation(Base):
+    """A merged delta taken back because it was found false after it merged (a failed spot-check):
+    the merger applies its negation (FlatOuter.compensate) just before it merges version
+    `before_version`, and a restart's replay does the same there. NULL before_version: not applied
+    yet (it waits for the run's next delta); 0: never applied, its kept bytes were gone. Its bytes are
+    kept as Storage.compensation until the checkpoints hold it."""
+
+    __tablename__ = "compensations"
+    __table_args__ = (UniqueConstraint("run_id", "seq"), Index("ix_compensations_pending", "run_id", "before_version"))
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id"))
+    seq: Mapped[int] = mapped_column(BigInteger)  # the false delta's
+    applied: Mapped[float] = mapped_column(Float)  # its DeltaRecord.applied: what is taken back
+    reason: Mapped[str] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    before_version: Mapped[int | None] = mapped_column(BigInteger, nullable=True)

@@ -59,6 +59,9 @@ class MergeOutcome:
     cosine: float | None = None
     clipped: bool = False
     rejection: robust.Rejection | None = None  # why, when not merged: the metrics' label
+    # what moved each weight per unit of its values (its full weight times its group's share of the
+    # outer lr; 0 when it moved nothing): what a compensation takes back (FlatOuter.compensate)
+    applied: float = 0.0
 
 
 class RunRuntime(ExchangeFolding):
@@ -261,7 +264,7 @@ class RunRuntime(ExchangeFolding):
         staleness = self.version - base_version
         cfg = self.config.outer
         weight = staleness_weight(max(0, staleness), cfg)
-        reason, merged, verdict, why = None, False, None, None
+        reason, merged, verdict, why, applied = None, False, None, None, 0.0
         if staleness < 0:
             reason = f"base version {base_version} is newer than the model ({self.version})"
             why = robust.Rejection.STALE
@@ -296,14 +299,24 @@ class RunRuntime(ExchangeFolding):
                 reason, merged, why = verdict.reason, verdict.merged, verdict.rejection
                 if merged:
                     ramp = 1.0 if worker is None else robust.ramp_weight(self.merged_by.get(key, 0), rcfg)
-                    self.outer.apply(delta, weight=weight * verdict.scale * ramp * share, cfg=cfg)
+                    full = weight * verdict.scale * ramp * share
+                    applied = full * self.outer.open_share(cfg)
+                    self.outer.apply(delta, weight=full, cfg=cfg)
                     if worker is not None:
                         self.merged_by[key] = self.merged_by.get(key, 0) + 1
                 robust.remember(self.norms, verdict, rcfg, worker=voice or key)
         self.version = seq
         return MergeOutcome(seq, merged, staleness, weight, reason, "", 0,
                             norm=verdict.norm if verdict else None, cosine=verdict.cosine if verdict else None,
-                            clipped=bool(verdict and verdict.action == "clip"), rejection=why)
+                            clipped=bool(verdict and verdict.action == "clip"), rejection=why, applied=applied)
+
+    def compensate(self, seq: int, delta: codec.FlatDelta, applied: float) -> None:
+        """Take back merged delta `seq` (FlatOuter.compensate), found false after it merged (a failed
+        spot-check): before the merge of the next version, so that the replay on a restart does
+        the same at the same place (coordinator/queries/compensations.py). The caller holds `lock`."""
+        self.outer.compensate(delta, applied=applied, cfg=self.config.outer)
+        log.info("run %s: delta %d compensated before version %d (it had moved the weights by %.3g x its values)",
+                 self.config.name, seq, self.version + 1, applied)
 
     VOICE_MEMBERS = 64  # a voice's recent deltas whose senders count as its members
 

@@ -219,6 +219,11 @@ class Storage:
     def delta(self, run_id: int, seq: int) -> str:
         return f"{self.deltas(run_id)}/{seq:010d}.delta"
 
+    def compensation(self, run_id: int, seq: int) -> str:
+        """The bytes of delta `seq`, kept after a failed spot-check until the checkpoints hold its
+        compensation (coordinator/queries/compensations.py)."""
+        return f"{self.deltas(run_id)}/{seq:010d}.undo"
+
     def staged_delta(self, run_id: int, lease_id: int, sha256: str) -> str:
         """Where an upload writes its bytes, durably, before it takes a sequence number: named by its
         lease and content, so the serial part of an acknowledgement holds no file operation. The

@@ -255,6 +255,8 @@ class RunStatus(_Body):
     shards_done: int
     epoch: int
     clipped_deltas: int = Field(0, description="merged after robust merging scaled them down")
+    compensated_deltas: int = Field(0, description="merged deltas taken back after a failed replay spot-check "
+                                                   "(their compensation applied, or waiting for the next merge)")
     # Counts only: which workers and why is the operator's (GET /runs/{run}/workers, admin token);
     # the reasons quote the screening's thresholds, a map for a poisoner to stay under them.
     workers_throttled: int = Field(0, description="workers robust merging throttled")

@@ -8,6 +8,7 @@
     versions.py   model versions (snapshots on disk) and evaluations; the download lookups
     exchanges.py  sparse exchanges (sparta): record, count, replay, prune their bodies
     spotchecks.py replay spot-checks: sampled at acknowledgement, the checker's queue, verdicts
+    compensations.py merged deltas taken back after a failed spot-check, and where each was applied
     reports.py    the aggregates behind status, the dashboard and /metrics
     stats.py      contributors (claimed names, their forms) and daily stats: moved with the ledger, by day
     teams.py      registered teams: create, find by a name's forms, list, delete; a member's lease cap

@@ -107,11 +107,12 @@ def seq_of_lease(c: Connection, lease_id: int) -> Row | None:
 
 
 def record_outcome(c: Connection, run_id: int, seq: int, *, merged: bool, staleness: int, weight: float,
-                   reason: str | None, norm: float | None, cosine: float | None, at: datetime) -> None:
-    """The merger's verdict on delta `seq`."""
+                   reason: str | None, norm: float | None, cosine: float | None, at: datetime,
+                   applied: float = 0.0) -> None:
+    """The merger's verdict on delta `seq` (applied: runtime.MergeOutcome.applied)."""
     c.execute(update(DeltaRecord).where(DeltaRecord.run_id == run_id, DeltaRecord.seq == seq).values(
         outcome="merged" if merged else "rejected", staleness=staleness, weight=weight, reason=reason,
-        merged_at=at, norm=norm, cosine=cosine))
+        merged_at=at, norm=norm, cosine=cosine, applied=applied))
 
 
 def for_credit(c: Connection, run_id: int, seq: int) -> Row | None:

@@ -18,6 +18,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from coordinator import checkpoints
 from coordinator.db import Database
 from coordinator.errors import NotFound, RunUnrecoverable, Unavailable
+from coordinator.queries import compensations as compensation_rows
 from coordinator.queries import deltas as delta_rows
 from coordinator.queries import exchanges as exchange_rows
 from coordinator.queries import runs as run_rows
@@ -149,6 +150,7 @@ class RecoveryService:
         that followed it (by id), then the next delta. Snapshots are already stored."""
         with self.db.read() as c:
             todo = delta_rows.queued(c, rt.run_id, after=rt.version, through=up_to)
+            undo = compensation_rows.at(c, rt.run_id, rt.version + 1, up_to)
         n_exchanges = 0
 
         def exchanges_after(version: int) -> None:
@@ -163,6 +165,9 @@ class RecoveryService:
         exchanges_after(rt.version)
         for seq, base_version, lease_id, sha, worker_id, voice in todo:
             self.storage.adopt_delta(rt.run_id, seq, lease_id, sha)  # acknowledged, not merged before the crash
+            for false_seq, applied in undo.get(seq, []):  # taken back where the merger took it back
+                blob = self.storage.read(self.storage.compensation(rt.run_id, false_seq))
+                rt.compensate(false_seq, codec.decode_flat(blob, schema=rt.schema, offsets=rt.outer.offsets), applied)
             rt.merge(seq=seq, base_version=base_version, write_snapshot=False, worker=worker_id, voice=voice)
             exchanges_after(seq)
         return len(todo), n_exchanges
@@ -208,6 +213,9 @@ class RecoveryService:
         gone = self.storage.prune_deltas(rt.run_id, through)
         with self.db.begin() as c:
             exchange_rows.drop_bodies(c, rt.run_id, from_version=done, before_version=through)
+            held = compensation_rows.held_through(c, rt.run_id, through)
+        for seq in held:  # every kept checkpoint holds these compensations: their bytes go too
+            self.storage.delete(self.storage.compensation(rt.run_id, seq))
         log.debug("run %s: deltas up to version %d deleted (%d blobs): every kept checkpoint holds them",
                   rt.config.name, through, gone)
         return gone

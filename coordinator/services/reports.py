@@ -13,6 +13,7 @@ from coordinator import credit, scheduler
 from coordinator.db import Database
 from coordinator.errors import Conflict
 from coordinator.models import utcnow
+from coordinator.queries import compensations as compensation_rows
 from coordinator.queries import deltas as delta_rows
 from coordinator.queries import leases as lease_rows
 from coordinator.queries import reports as report_rows
@@ -100,6 +101,7 @@ class ReportService:
             total_workers = report_rows.worker_count(c, run.id)
             shard_counts = lease_rows.shard_states(c, run.id)
             clipped = report_rows.clipped(c, run.id)
+            compensated = compensation_rows.count(c, run.id)
             standings = report_rows.standings(c, run.id)
             progress = run_progress(c, run, now=now)
         dense = scheduler.dense_equivalent_bytes(worker_steps=run.worker_steps, n_params=run.n_params)
@@ -114,7 +116,7 @@ class ReportService:
             bytes_down_data=run.bytes_down_data, exchanges=exchanges, dense_equivalent_bytes=dense,
             traffic_ratio_vs_dense=(dense / moved) if moved else None, n_params=run.n_params,
             shards_total=sum(shard_counts.values()), shards_done=shard_counts.get("done", 0), epoch=run.epoch,
-            clipped_deltas=clipped, workers_throttled=standings.get("throttled", 0),
+            clipped_deltas=clipped, compensated_deltas=compensated, workers_throttled=standings.get("throttled", 0),
             workers_banned=standings.get("banned", 0), token_budget=run.token_budget, max_epochs=run.max_epochs,
             priority=run.priority, finished_at=aware_or_none(run.finished_at), progress=progress)
 

@@ -35,6 +35,7 @@ from coordinator import credit, spotcheck, trust
 from coordinator.db import Database
 from coordinator.errors import Conflict, NotFound
 from coordinator.models import utcnow
+from coordinator.queries import compensations as compensation_rows
 from coordinator.queries import spotchecks as check_rows
 from coordinator.queries import workers as worker_rows
 from coordinator.services.common import Caller, aware, owned
@@ -252,9 +253,21 @@ class SpotCheckService:
                           row.lease_id, result.cosine, result.norm_ratio)
                 return
             reason = f"{trust.SPOT_CHECK} of lease {row.lease_id} failed: {result.reason}"
+            taken_back = row.outcome == "merged" and self._take_back(c, row, reason)
             worker_rows.add_credit(c, row.worker_id, -revoked)
             worker_rows.insert_refusal(c, run_id=row.run_id, worker_id=row.worker_id, kind="spotcheck",
                                        reason=reason[:1000])
             w = worker_rows.by_id(c, row.worker_id)
             self.workers.judge(c, row.worker_id, w.standing, cfg)
-        log.warning("run %s: worker %d: %s; %.1f credit revoked", cfg.name, row.worker_id, reason, revoked)
+        log.warning("run %s: worker %d: %s; %.1f credit revoked%s", cfg.name, row.worker_id, reason, revoked,
+                    f"; delta {row.seq} is taken back at the next merge" if taken_back else "")
+
+    def _take_back(self, c, row, reason: str) -> bool:
+        """Queue the compensation of the failed check's merged delta (coordinator/queries/compensations.py),
+        its bytes kept for it (and for a restart's replay). False when there is nothing to take back."""
+        name = self.storage.compensation(row.run_id, row.seq)
+        self.storage.write(name, self.storage.read(copy_name(self.storage, row.run_id, row.lease_id, row.sha256)))
+        if compensation_rows.add(c, run_id=row.run_id, seq=row.seq, reason=reason[:1000]) is None:
+            self.storage.delete(name)
+            return False
+        return True

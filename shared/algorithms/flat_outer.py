@@ -198,9 +198,15 @@ class FlatOuter:
 
     # -- the merge rule --------------------------------------------------------------------------
 
-    def apply(self, delta: FlatDelta, *, weight: float, cfg: OuterConfig) -> None:
-        """apply_delta for a decoded FlatDelta (same arithmetic per element, momentum step lazily)."""
-        share = group_lr(self.groups, cfg) / cfg.group
+    def open_share(self, cfg: OuterConfig) -> float:
+        """What one unit of a delta's weight moves the weights by now: the open group's lr over G."""
+        return group_lr(self.groups, cfg) / cfg.group
+
+    def apply(self, delta: FlatDelta, *, weight: float, cfg: OuterConfig, count: bool = True) -> None:
+        """apply_delta for a decoded FlatDelta (same arithmetic per element, momentum step lazily).
+        count=False: a compensation (`compensate`), which joins the open group's sum but is no
+        member of it (the group still closes after cfg.group deltas)."""
+        share = self.open_share(cfg)
         if self.applied < len(self.pending) and share != self.share:
             self.flush()  # a config change mid-group: settle what is owed at the old share
         self.share = share
@@ -222,9 +228,22 @@ class FlatOuter:
                 self.dense_acc[(off, vals.numel())] = vals
         if now:
             self.applied = len(self.pending)
+        if not count:
+            return
         self.in_group += 1
         if self.in_group >= cfg.group:
             self._momentum_step(cfg)
+
+    def compensate(self, delta: FlatDelta, *, applied: float, cfg: OuterConfig) -> None:
+        """Take back a delta merged earlier at `applied` (its weight times the share of its group: what
+        moved each weight per unit of its values). Its direct step is undone exactly: the weights move
+        by +applied * g. Its sum joins the open group negated, so the momentum it fed is fed back
+        negated: the two momentum trails cancel as the steps go on (exactly in the limit at a
+        constant lr). What later deltas learnt from the weights it had moved stays."""
+        share = self.open_share(cfg)
+        if applied == 0.0 or share == 0.0:
+            return
+        self.apply(delta, weight=-applied / share, cfg=cfg, count=False)
 
     def _scatter(self, target: torch.Tensor, alphas: list[float], start: int = 0) -> None:
         """target += alphas[i] * pending[start + i], delta after delta (sparse runs in one index_add_)."""

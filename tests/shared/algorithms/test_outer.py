@@ -605,3 +605,79 @@ def test_flat_outer_takes_a_warmup_change_mid_group(lazy):
         apply_delta(ref, d, weight=1.0, cfg=cfg)
         fl.apply(flat(d), weight=1.0, cfg=cfg)
         assert_same_state(fl, ref, tol=2e-5 if lazy else 0)
+
+
+# -- compensation: a merged delta taken back later ----------------------------------------------
+
+def weights_gap(a: FlatOuter, b: FlatOuter) -> float:
+    return float((a.weights_flat() - b.weights_flat()).norm())
+
+
+@pytest.mark.parametrize("lazy", [False, True])
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_compensating_a_delta_without_momentum_undoes_it_exactly(lazy, nesterov):
+    """Momentum 0: the weights after (false delta, others, its compensation) are the clean run's, to
+    float rounding, whatever the group and the delta's weight; the compensation is no member of its
+    group."""
+    cfg = OuterConfig(lr=0.8, momentum=0.0, nesterov=nesterov, group=3)
+    rng = np.random.default_rng(7)
+    deltas = [flat(random_delta(rng, i)) for i in range(14)]
+    clean, dirty = (FlatOuter.from_state(OuterState.fresh(params(0)), lazy=lazy) for _ in range(2))
+    false = flat(random_delta(rng, 99))
+    for i, d in enumerate(deltas):
+        if i == 4:
+            applied = 1.7 * dirty.open_share(cfg)
+            dirty.apply(false, weight=1.7, cfg=cfg)
+        if i == 9:
+            before = dirty.in_group
+            dirty.compensate(false, applied=applied, cfg=cfg)
+            assert dirty.in_group == before
+        clean.apply(d, weight=0.9, cfg=cfg)
+        dirty.apply(d, weight=0.9, cfg=cfg)
+    gap = weights_gap(dirty, clean)
+    assert gap < 1e-5 * float(clean.weights_flat().norm()), gap
+
+
+@pytest.mark.parametrize("lazy", [False, True])
+def test_a_compensation_takes_back_the_step_at_the_share_it_was_merged_with(lazy):
+    """Under the outer warm-up a later group's share is larger: the compensation takes back what the
+    delta moved (applied), not its weight at today's share."""
+    cfg = OuterConfig(lr=0.8, momentum=0.0, group=2, warmup=6)
+    rng = np.random.default_rng(5)
+    start = FlatOuter.from_state(OuterState.fresh(params(0)), lazy=lazy)
+    run = FlatOuter.from_state(OuterState.fresh(params(0)), lazy=lazy)
+    false = flat(random_delta(rng, 1))
+    applied = 2.0 * run.open_share(cfg)
+    run.apply(false, weight=2.0, cfg=cfg)
+    for _ in range(7):  # weightless deltas: only the groups (and the warm-up's share) move on
+        run.apply(flat(random_delta(rng, 2)), weight=0.0, cfg=cfg)
+    assert run.open_share(cfg) > 3 * applied / 2.0
+    run.compensate(false, applied=applied, cfg=cfg)
+    run.apply(flat(random_delta(rng, 3)), weight=0.0, cfg=cfg)  # the group closes: its share is in T
+    assert weights_gap(run, start) < 1e-5 * float(start.weights_flat().norm())
+
+
+@pytest.mark.parametrize("momentum", [0.2, 0.9])
+def test_compensating_a_delta_cancels_its_momentum_trail_as_groups_go_on(momentum):
+    """With momentum the compensation undoes the false delta's direct step at once and feeds its
+    negation to the momentum, so the gap to the clean run shrinks by the momentum's decay; left alone,
+    the false delta's trail only grows to lr * g / (1 - mu)."""
+    cfg = OuterConfig(lr=0.8, momentum=momentum, group=1)
+    rng = np.random.default_rng(3)
+    runs = {k: FlatOuter.from_state(OuterState.fresh(params(0)), lazy=True) for k in ("clean", "left", "taken")}
+    false = flat(random_delta(rng, 0))
+    gaps_left, gaps_taken = [], []
+    for i in range(60):
+        d = flat(random_delta(rng, i + 1))
+        if i == 0:
+            for k in ("left", "taken"):
+                runs[k].apply(false, weight=1.0, cfg=cfg)
+        if i == 3:  # found false three versions later
+            runs["taken"].compensate(false, applied=1.0 * runs["taken"].open_share(cfg), cfg=cfg)
+        for r in runs.values():
+            r.apply(d, weight=0.5, cfg=cfg)
+        gaps_left.append(weights_gap(runs["left"], runs["clean"]))
+        gaps_taken.append(weights_gap(runs["taken"], runs["clean"]))
+    # the two trails' gap decays as mu ** groups: at mu 0.9, 56 groups on, 0.9 ** 56 = 0.003
+    assert gaps_taken[-1] < 0.01 * gaps_left[-1], (gaps_taken[-1], gaps_left[-1])
+    assert gaps_taken[3] < gaps_left[3]  # at once: its direct step is gone, its momentum's steps remain
