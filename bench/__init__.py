@@ -43,4 +43,6 @@ here when this folder is importable.
                            bench.hostile` prints them)
     spotcheck.py           `spotcheck`: honest, replayed, borrowed, stale and crafted deltas against the
                            replay spot-check at rate 1, first and later leases, fp32 and bf16 autocast
+    spotcheck_sparta.py    `spotcheck-sparta`: honest, idle, shifted, stale and borrowed sparta exchanges
+                           against the replay spot-check at rate 1, fp32 and bf16 autocast
 """

@@ -186,6 +186,9 @@ class Exchange(Base):
     # what the descent guard kept of its step of the global model (exchange_screen.guard_scale); a replay
     # takes it as recorded. NULL: from before the guard, replayed at 1
     centre_scale: Mapped[float | None] = mapped_column(Float, nullable=True)
+    # the correction answered, kept for a lease sampled for its spot-check (its replay applies it where
+    # the worker did: spot_checks.exchanges_applied); NULL otherwise, and once judged
+    answer: Mapped[bytes | None] = mapped_column(LargeBinary, nullable=True)
 
 
 class Refusal(Base):
@@ -284,6 +287,9 @@ class SpotCheck(Base):
     state_sha256: Mapped[str | None] = mapped_column(String(64), nullable=True)
     state_bytes: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     state_received_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    # a round with exchanges (sparta): where its worker applied each correction, as sent with the state
+    # ("<resumed at>;<exchange step>:<after step>,..."; protocol.H_EXCHANGES_APPLIED)
+    exchanges_applied: Mapped[str | None] = mapped_column(Text, nullable=True)
 
 
 class Compensation(Base):

@@ -7,14 +7,17 @@ itself (coordinator/services/spotchecks.py) re-trains the round on the coordinat
 compares (shared/algorithms/spotcheck.py); a failed check revokes the delta's credit and counts
 against the worker's standing like a rejected delta (coordinator/trust.py).
 
-What it protects is credit and standing: a delta merged before its check failed stays merged (the
-robust screens, shared/algorithms/robust.py, are what protect the model).
+What it protects first is credit and standing (the robust screens, shared/algorithms/robust.py,
+bound what a delta does to the model before it merges); a merged delta whose check fails is also
+compensated (coordinator/queries/compensations.py). A sparta round's check compares its exchanges
+with a replay of the round from its committed start state.
 """
 
 from __future__ import annotations
 
 import hashlib
 
+from shared.algorithms.registry import ALGORITHMS
 from shared.algorithms.spotcheck import CARRIED, EXACT, SpotCheckBounds
 from shared.config import RunConfig
 
@@ -37,11 +40,17 @@ def bounds(*, first_lease: bool) -> SpotCheckBounds:
     return EXACT if first_lease else CARRIED
 
 
-def not_checkable(cfg: RunConfig, *, first_lease: bool) -> str | None:
+def not_checkable(cfg: RunConfig, *, first_lease: bool, committed: bool = False) -> str | None:
     """Why a run's round cannot be compared with its replay (None: it can). `first_lease`: the round
-    starts from a state the replay holds too (a fresh AdamW, or the worker's committed start state)."""
-    if cfg.algorithm != "diloco":
-        return f"a {cfg.algorithm} round's progress also travels through its exchanges: no replay compares with it"
+    starts from a state the replay holds too (a fresh AdamW, or the worker's committed start state);
+    `committed`: the worker committed to its round's start state. A round with exchanges (sparta) is
+    checked by its exchanges, replayed from the committed state only (its replica's weights, for
+    sparta, are the worker's own)."""
+    if ALGORITHMS[cfg.algorithm].exchanges:
+        if not committed or not replays_from_state(cfg):
+            return (f"a {cfg.algorithm} round is replayed from the start state its worker commits to, and this "
+                    "one committed none (a worker of an older release)")
+        return None
     if cfg.compression.index != "dense" and cfg.compression.error_feedback and not first_lease:
         return ("a sparse delta with error feedback carries values its earlier rounds did not send: only a "
                 "worker's first round compares with the replay")

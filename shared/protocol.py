@@ -38,6 +38,7 @@ H_MAX_BODY = "X-Max-Body-Bytes"  # on a 413: the largest body the route takes
 # the SHA-256 (lowercase hex) and the size in bytes of the state it keeps until told it is not wanted.
 H_START_STATE = "X-Start-State-SHA256"
 H_START_STATE_BYTES = "X-Start-State-Bytes"
+H_EXCHANGES_APPLIED = "X-Exchanges-Applied"  # with a sparta round's start state: spotcheck.format_applied
 
 # The exact forms of what a coordinator sends that a worker puts in a file name, a URL or a header:
 # the worker does not trust the coordinator either, and checks them before using any.
@@ -400,7 +401,7 @@ class RunMetrics(_Body):
 
 __all__ = [
     "API_PREFIX", "API_VERSION", "DeltaAccepted", "EvalPoint", "H_API_VERSION", "H_BASE_VERSION", "H_MAX_BODY",
-    "H_UPDATE_FEEDBACK",
+    "H_UPDATE_FEEDBACK", "H_EXCHANGES_APPLIED",
     "H_SHA256", "H_START_STATE", "H_START_STATE_BYTES", "H_VERSION", "MIN_API_VERSION", "lease_api_version",
     "lease_compression",
     "Health", "Lease", "RegisterRequest", "RegisterResponse", "RunConfig", "RunCreated", "RunStatus", "RunSummary",

@@ -355,10 +355,12 @@ class CoordinatorClient:
         self.bytes_up += len(body)
         return _parse(protocol.DeltaAccepted, resp, "acknowledgement")
 
-    def upload_start_state(self, lease_id: int, blob: bytes) -> None:
-        """Send a spot-checked lease's committed start state (its acknowledgement asked for it)."""
+    def upload_start_state(self, lease_id: int, blob: bytes, *, exchanges_applied: str | None = None) -> None:
+        """Send a spot-checked lease's committed start state (its acknowledgement asked for it), and for
+        a sparta round where it applied its corrections (protocol.H_EXCHANGES_APPLIED)."""
+        extra = {} if exchanges_applied is None else {protocol.H_EXCHANGES_APPLIED: exchanges_applied}
         self._request("PUT", f"{protocol.API_PREFIX}/leases/{lease_id}/start-state", content=blob,
-                      headers={"Content-Type": "application/octet-stream"})
+                      headers={"Content-Type": "application/octet-stream", **extra})
         self.bytes_up += len(blob)
 
     def exchange(self, lease_id: int, step: int, body: bytes) -> bytes:

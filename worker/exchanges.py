@@ -32,9 +32,15 @@ class RoundExchanges:
         self.max_in_flight = max_in_flight
         self.pending: list[tuple[int, concurrent.futures.Future]] = []
         self.applied = self.failed = self.skipped = self.bytes_up = self.bytes_down = 0
+        # exchange step -> the local step after which its correction was applied, before that step's own
+        # exchange (last step + 1: at the round's end); a replay of the round applies each there (the
+        # spot-check, shared/algorithms/spotcheck.py)
+        self.applied_at: dict[int, int] = {}
+        self.now = 0  # the last local step done
         self.stopped: str | None = None  # why no more exchanges are sent this round
 
     def after_step(self, step: int) -> None:
+        self.now = step
         self.apply_finished()
         cfg = self.lease.sparta
         if step % cfg.every or self.stopped:
@@ -70,6 +76,7 @@ class RoundExchanges:
                 self._failed(step, exc)
                 continue
             sparta.apply_correction(self.params, correction)
+            self.applied_at[step] = self.now
             self.applied += 1
             self.bytes_up += up
             self.bytes_down += down
@@ -87,6 +94,7 @@ class RoundExchanges:
         """Wait (bounded) for the answers still in flight and apply them; drop the rest."""
         if self.pending:
             concurrent.futures.wait([f for _, f in self.pending], timeout=timeout_s)
+        self.now += 1  # applied after the round's last exchange was selected
         self.apply_finished()
         for step, fut in self.pending:
             fut.cancel()

@@ -19,8 +19,7 @@ Manners: before each round and between local steps the governor (worker/governor
 policy (worker/policy.py) whether to train now: `idletrain worker pause`, the daily transfer cap,
 battery, and with --when idle the user's presence or the CPU load. A pause mid-round saves the
 round first, waits in place for a while, then lets the lease go and resumes the saved round when
-training may go on (policy.hold_limit_s says why). The status file and the display
-(worker/control.py, worker/progress.py) follow it all.
+training may go on (policy.hold_limit_s says why). The status file and display follow it all.
 """
 
 from __future__ import annotations
@@ -193,6 +192,7 @@ class Worker:
             self.suspended = True
             return None
         self.progress.utilisation.add_compute(result.seconds)
+        self.delivery.starts.note_exchanges(lease, result)  # sparta: where its corrections went
         return result
 
     def _step_hook(self, lease: protocol.Lease):

@@ -9,6 +9,8 @@ and goes first at the next start.
 
     state_dir/runs/<run key>/starts/<lease id>.st       the state's bytes
     state_dir/runs/<run key>/starts/<lease id>.wanted   its check asked for it (not sent yet)
+    state_dir/runs/<run key>/starts/<lease id>.ex       a sparta round's: where it applied its
+                                                        corrections (sent with the state)
 """
 
 from __future__ import annotations
@@ -19,6 +21,9 @@ from pathlib import Path
 
 import httpx
 
+from shared import protocol
+from shared.algorithms.registry import ALGORITHMS
+from shared.algorithms.spotcheck import format_applied
 from shared.files import atomic_write
 from worker.answers import CoordinatorError, is_transient, why
 
@@ -64,6 +69,13 @@ class StartStates:
             self._digests[lease_id] = (hashlib.sha256(blob).hexdigest(), len(blob))
         return self._digests[lease_id]
 
+    def note_exchanges(self, lease: protocol.Lease, result) -> None:
+        """A round with exchanges (sparta), at its end: where its corrections were applied (result:
+        trainer.RoundResult), sent with its state if asked for."""
+        if ALGORITHMS[lease.algorithm].exchanges and self._path(lease.lease_id).exists():
+            text = format_applied(result.resumed_at, result.exchanges_applied_at)
+            atomic_write(self._path(lease.lease_id, ".ex"), text.encode())
+
     def want(self, lease_id: int) -> None:
         if self._path(lease_id).exists():
             atomic_write(self._path(lease_id, ".wanted"), b"")
@@ -75,6 +87,7 @@ class StartStates:
 
     def drop(self, lease_id: int) -> None:
         self._path(lease_id, ".wanted").unlink(missing_ok=True)
+        self._path(lease_id, ".ex").unlink(missing_ok=True)
         self._path(lease_id).unlink(missing_ok=True)
         self._digests.pop(lease_id, None)
 
@@ -89,7 +102,11 @@ class StartStates:
                 self.drop(lease_id)
                 continue
             try:
-                client.upload_start_state(lease_id, blob)
+                applied = self._path(lease_id, ".ex").read_text()
+            except FileNotFoundError:
+                applied = None
+            try:
+                client.upload_start_state(lease_id, blob, exchanges_applied=applied)
             except CoordinatorError as exc:
                 if exc.status in DROPPED:
                     log.warning("lease %d: start state not taken (%s); dropped", lease_id, why(exc))

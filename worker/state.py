@@ -51,6 +51,8 @@ class RoundState:
     losses: list[float]
     generator: torch.Tensor  # torch.Generator.get_state() of the batch sampler after `step` batches
     base: dict[str, torch.Tensor] | None  # the snapshot the round started from (None: not needed, sparta)
+    # sparta: exchange step -> the local step after which its correction was applied (RoundExchanges)
+    exchanges_applied: dict[int, int] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -108,7 +110,8 @@ def encode_state(state: TrainerState) -> bytes:
             tensors[f"base/{name}"] = _cpu(t)
         meta["round"] = {"lease": rnd.lease.model_dump(mode="json"), "step": rnd.step,
                          "losses": [float(x) for x in rnd.losses], "has_base": rnd.base is not None,
-                         "base_names": list(rnd.base or {})}
+                         "base_names": list(rnd.base or {}),
+                         "exchanges_applied": sorted([int(k), int(v)] for k, v in rnd.exchanges_applied.items())}
     return _hashed(safetensors.torch.save(tensors, metadata={_META_KEY: json.dumps(meta)}))
 
 
@@ -169,7 +172,11 @@ def decode_state(blob: bytes) -> TrainerState:
         losses = [float(x) for x in r["losses"]]
         if len(losses) != step:
             raise ValueError(f"{len(losses)} losses for {step} steps")
-        rnd = RoundState(lease=lease, step=step, losses=losses, generator=generator, base=base)
+        applied = {int(k): int(v) for k, v in r.get("exchanges_applied", [])}
+        if any(not 1 <= k < v <= step for k, v in applied.items()):
+            raise ValueError("the round's applied corrections are not within its steps")
+        rnd = RoundState(lease=lease, step=step, losses=losses, generator=generator, base=base,
+                         exchanges_applied=applied)
     opt = meta["optimizer"]
     return TrainerState(
         model=dict(meta["model"]), inner=dict(meta["inner"]), steps_done=int(meta["steps_done"]),

@@ -94,6 +94,8 @@ class RoundResult:
     exchange_bytes_up: int = 0
     exchange_bytes_down: int = 0
     resumed_at: int = 0  # the local step this call resumed from (0: the round started here)
+    # sparta: exchange step -> the local step after which its correction was applied (RoundExchanges)
+    exchanges_applied_at: dict[int, int] = dataclasses.field(default_factory=dict)
 
 
 class StepHook:
@@ -113,8 +115,10 @@ class StepHook:
 
     def save(self, step: int) -> None:
         if self.checkpoint is not None and self.saved_at != step:
+            applied = dict(self.exchanges.applied_at) if self.exchanges is not None else {}
             self.checkpoint(self.export(RoundState(lease=self.lease, step=step, losses=list(self.losses),
-                                                   generator=self.generator.get_state(), base=self.round_base)))
+                                                   generator=self.generator.get_state(), base=self.round_base,
+                                                   exchanges_applied=applied)))
             self.saved_at = step
 
     def __call__(self, i: int, loss: float) -> None:
@@ -230,17 +234,20 @@ class LocalTrainer:
         twice -- an overshoot the coordinator's screening sees as a delta pointing against the
         consensus (docs/BENCHMARKS.md).
 
-        `on_start(blob)` (a new round that ends with a pseudo-gradient): the round's start state
+        `on_start(blob)` (a new round): the round's start state
         (start_state_blob), before the first step; its upload commits to it (worker/start_states.py)."""
         t0 = time.perf_counter()
         start, base = self._start_round(lease, base, resume, ahead)
-        if on_start is not None and resume is None and ALGORITHMS[lease.algorithm].ends_with is End.PSEUDO_GRADIENT:
-            on_start(self.start_state_blob())
+        if on_start is not None and resume is None:
+            on_start(self.start_state_blob(replica=ALGORITHMS[lease.algorithm].starts_from is Start.REPLICA))
         round_base = None if ALGORITHMS[lease.algorithm].ends_with is End.EMPTY else dict(base)
         gen = torch.Generator().manual_seed(lease.seed)
         if resume is not None:
             gen.set_state(resume.generator.clone())
         rx = self._exchanges(lease, exchange)
+        if rx is not None and resume is not None:  # the corrections applied before the interruption
+            rx.applied_at.update(resume.exchanges_applied)
+            rx.now = start
         hook = StepHook(lease, start=start, losses=list(resume.losses) if resume is not None else [],
                         generator=gen, round_base=round_base, exchanges=rx, on_step=on_step, export=self.export_state,
                         checkpoint=checkpoint, checkpoint_every=checkpoint_every, gate=gate)
@@ -323,7 +330,8 @@ class LocalTrainer:
             * self.model.cfg.context, seconds=seconds, values_sent=sum(e.k for e in delta.entries),
             exchanges=rx.applied if rx else 0, exchanges_failed=rx.failed if rx else 0,
             exchanges_skipped=rx.skipped if rx else 0, exchange_bytes_up=rx.bytes_up if rx else 0,
-            exchange_bytes_down=rx.bytes_down if rx else 0, resumed_at=hook.start)
+            exchange_bytes_down=rx.bytes_down if rx else 0, resumed_at=hook.start,
+            exchanges_applied_at=dict(rx.applied_at) if rx else {})
 
     def run_local_steps(self, lease: protocol.Lease, tokens: torch.Tensor, *, steps: int,
                         generator: torch.Generator, step_offset: int,
@@ -334,11 +342,13 @@ class LocalTrainer:
                          step_offset=step_offset, on_step=on_step, micro_batch=self.micro_batch(lease),
                          autocast=self.autocast)
 
-    def start_state_blob(self) -> bytes:
+    def start_state_blob(self, *, replica: bool = False) -> bytes:
         """The state the next steps start from that the coordinator does not hold: the optimizer's
-        state, the error-feedback residual and the steps done (shared/algorithms/start_state.py)."""
+        state, the error-feedback residual and the steps done, and (replica: a sparta round) the
+        weights themselves (shared/algorithms/start_state.py)."""
         opt = optimizer_state(self.model, self.opt) if self.opt is not None and self.opt.state else None
-        return start_state.encode(opt, self.residual, steps_done=self.steps_done)
+        params = get_params(self.model) if replica else None
+        return start_state.encode(opt, self.residual, steps_done=self.steps_done, params=params)
 
     # -- checkpoints ------------------------------------------------------------------------------
 

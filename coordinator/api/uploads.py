@@ -13,6 +13,7 @@ from coordinator.api.bodies import OCTET, receive_to_file, require_octet_stream
 from coordinator.api.deps import CoordinatorDep, CurrentWorker, RowId
 from coordinator.errors import ServiceError
 from shared import protocol
+from shared.algorithms import spotcheck as spotcheck_math
 
 router = APIRouter(prefix=protocol.API_PREFIX, tags=["uploads"])
 
@@ -61,14 +62,22 @@ def start_commitment(request: Request) -> tuple[str, int] | None:
 async def upload_start_state(lease_id: RowId, request: Request, coord: CoordinatorDep,
                              worker: CurrentWorker) -> Response:
     """Send the start state a spot-checked lease's upload committed to (its acknowledgement said
-    `start_state_wanted`). 404 when it is not wanted, 413 past the committed size, 409 when the
-    bytes are not the committed ones; 204 once kept (again for the same bytes)."""
+    `start_state_wanted`); a sparta round's says where it applied its corrections
+    (X-Exchanges-Applied; 400 when malformed). 404 when it is not wanted, 413 past the committed
+    size, 409 when the bytes are not the committed ones; 204 once kept (again for the same bytes)."""
     require_octet_stream(request, "the start state")
+    applied = request.headers.get(protocol.H_EXCHANGES_APPLIED)
+    if applied is not None:
+        try:
+            spotcheck_math.parse_applied(applied)
+        except ValueError as exc:
+            raise ServiceError(f"{protocol.H_EXCHANGES_APPLIED}: {exc}") from None
     row = await run_in_threadpool(coord.spotchecks.state_wanted, lease_id, worker)
     path = coord.storage.receiving(row.run_id, lease_id)
     try:
         received = await receive_to_file(request, path, cap=row.state_bytes, stall_s=coord.settings.body_timeout_s)
-        await run_in_threadpool(coord.spotchecks.receive_start_state, lease_id, worker, received)
+        await run_in_threadpool(coord.spotchecks.receive_start_state, lease_id, worker, received,
+                                exchanges_applied=applied)
     finally:
         path.unlink(missing_ok=True)
     return Response(status_code=204)

@@ -26,12 +26,13 @@ def start_state_of(c: Connection, lease_id: int) -> Row | None:
                      .where(Lease.id == lease_id)).first()
 
 
-def start_state_received(c: Connection, lease_id: int, at: datetime) -> bool:
-    """Mark the lease's committed start state arrived; False when it is no longer wanted."""
+def start_state_received(c: Connection, lease_id: int, at: datetime, *, exchanges_applied: str | None = None) -> bool:
+    """Mark the lease's committed start state arrived (with a sparta round's exchanges_applied); False
+    when it is no longer wanted."""
     return c.execute(update(SpotCheck).where(SpotCheck.lease_id == lease_id, SpotCheck.verdict == "pending",
                                              SpotCheck.state_sha256.is_not(None),
                                              SpotCheck.state_received_at.is_(None))
-                     .values(state_received_at=at)).rowcount == 1
+                     .values(state_received_at=at, exchanges_applied=exchanges_applied)).rowcount == 1
 
 
 def pending_count(c: Connection, run_id: int) -> int:
@@ -49,12 +50,12 @@ def next_ready(c: Connection, *, state_due: datetime, after_id: int = 0) -> Row 
     """The oldest pending check (id > after_id) whose delta the merger has judged and whose committed
     start state arrived, or was due by `state_due` (a delta received before it): (id, run_id,
     lease_id, worker_id, base_version, seed, lr, shard_index, seq, sha256, outcome, tokens,
-    received_at, leased_at, config_json, state_sha256, state_received_at)."""
+    received_at, leased_at, config_json, state_sha256, state_received_at, exchanges_applied)."""
     return c.execute(
         select(SpotCheck.id, SpotCheck.run_id, SpotCheck.lease_id, SpotCheck.worker_id, SpotCheck.base_version,
                Lease.seed, Lease.lr, Shard.index.label("shard_index"), DeltaRecord.seq, DeltaRecord.sha256,
                DeltaRecord.outcome, DeltaRecord.tokens, DeltaRecord.received_at, Lease.created_at.label("leased_at"),
-               Run.config_json, SpotCheck.state_sha256, SpotCheck.state_received_at)
+               Run.config_json, SpotCheck.state_sha256, SpotCheck.state_received_at, SpotCheck.exchanges_applied)
         .join(Lease, Lease.id == SpotCheck.lease_id).join(Shard, Shard.id == Lease.shard_id)
         .join(DeltaRecord, DeltaRecord.lease_id == SpotCheck.lease_id).join(Run, Run.id == SpotCheck.run_id)
         .where(SpotCheck.verdict == "pending", SpotCheck.id > after_id, DeltaRecord.outcome != "queued",

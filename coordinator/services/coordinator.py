@@ -61,7 +61,8 @@ class Coordinator:
         self.exchanges = ExchangeService(
             self.db, limiter=limiter, workers=self.workers, live=self.live, recovery=self.recovery,
             traffic=self.traffic, validations=validations,
-            in_flight=limits.InFlight(settings.max_concurrent_exchanges, what="exchanges"))
+            in_flight=limits.InFlight(settings.max_concurrent_exchanges, what="exchanges"),
+            spotchecks=self.spotchecks)
         self.reports = ReportService(self.db, traffic=self.traffic, recovery=self.recovery)
         self.stats = StatsService(self.db)
         self.teams = TeamService(self.db)

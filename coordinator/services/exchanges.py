@@ -12,7 +12,7 @@ import dataclasses
 
 from sqlalchemy.exc import IntegrityError
 
-from coordinator import limits, scheduler, timing
+from coordinator import limits, scheduler, spotcheck, timing
 from coordinator.db import Database
 from coordinator.errors import DISK_FULL_RETRY_S, Conflict, Gone, Unavailable, Unprocessable
 from coordinator.models import utcnow
@@ -24,6 +24,7 @@ from coordinator.runtime import RunRuntime
 from coordinator.services.common import Caller, aware, owned, rate_limit
 from coordinator.services.live import LiveRuns
 from coordinator.services.recovery import RecoveryService
+from coordinator.services.spotchecks import SpotCheckService
 from coordinator.services.workers import WorkerService
 from coordinator.traffic import Traffic
 from shared import codec
@@ -67,10 +68,18 @@ def check_exchange(sent: codec.Delta, schema: dict[str, tuple[int, ...]], *, see
 class ExchangeService:
     def __init__(self, db: Database, *, limiter: RateLimiter, workers: WorkerService, live: LiveRuns,
                  recovery: RecoveryService, traffic: Traffic, validations: limits.Slots,
-                 in_flight: limits.InFlight) -> None:
+                 in_flight: limits.InFlight, spotchecks: SpotCheckService | None = None) -> None:
         self.db, self.limiter, self.workers, self.live, self.recovery = db, limiter, workers, live, recovery
         self.traffic, self.validations = traffic, validations
         self.in_flight = in_flight  # the route holds an exchange's slot from before its body is read
+        # the lease's sampling is known before its round ends (spotcheck.sampled): a sampled lease's
+        # answers are kept, for its check's replay
+        self.spotchecks = spotchecks
+
+    def _checked(self, rt: RunRuntime, lease_id: int) -> bool:
+        """Whether the lease will be spot-checked if it commits to its start state."""
+        return (self.spotchecks is not None and spotcheck.replays_from_state(rt.config)
+                and self.spotchecks.wanted(run_seed=rt.config.seed, lease_id=lease_id))
 
     def precheck(self, lease_id: int, worker: Caller) -> None:
         """An exchange's checks before its body is read: the lease exists and is this worker's (404/403).
@@ -154,7 +163,8 @@ class ExchangeService:
                 with self.db.begin() as c:
                     exchange_id = exchange_rows.record(c, run_id=rt.run_id, lease_id=lease_id, worker_id=worker.id,
                                                        step=step, after_version=rt.version, body=body,
-                                                       bytes_out=len(answer), centre_scale=scale)
+                                                       bytes_out=len(answer), centre_scale=scale,
+                                                       answer=answer if self._checked(rt, lease_id) else None)
                 rt.last_exchange_id = exchange_id
                 self.traffic.add(rt.run_id, worker.id, up=len(body), down_model=len(answer))
             except BaseException as exc:

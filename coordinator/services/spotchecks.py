@@ -36,15 +36,17 @@ from coordinator.db import Database
 from coordinator.errors import Conflict, NotFound
 from coordinator.models import utcnow
 from coordinator.queries import compensations as compensation_rows
+from coordinator.queries import exchanges as exchange_rows
 from coordinator.queries import spotchecks as check_rows
 from coordinator.queries import workers as worker_rows
 from coordinator.services.common import Caller, aware, owned
 from coordinator.services.live import LiveRuns
 from coordinator.services.workers import WorkerService
 from coordinator.storage import ReceivedBody, Storage
-from shared import codec
+from shared import codec, protocol
 from shared.algorithms import spotcheck as replay
 from shared.algorithms import start_state
+from shared.algorithms.registry import ALGORITHMS, Start
 from shared.config import RunConfig
 from shared.data import tokens_from_bytes
 from shared.snapshot import decode_snapshot
@@ -52,6 +54,10 @@ from shared.snapshot import decode_snapshot
 log = logging.getLogger(__name__)
 
 AHEAD = 8  # the worker's own deltas a round starts without, at most (worker/ledger.py OwnDeltas.KEEP)
+
+
+class NotReplayable(Exception):
+    """What a check needs is not there through no doing of the worker's: the check is skipped."""
 
 
 def copy_name(storage: Storage, run_id: int, lease_id: int, sha256: str) -> str:
@@ -96,8 +102,10 @@ class SpotCheckService:
                            "was judged already")
         return row
 
-    def receive_start_state(self, lease_id: int, worker: Caller, body: ReceivedBody) -> None:
-        """Keep the start state the route streamed to a file: it must be the committed bytes (409)."""
+    def receive_start_state(self, lease_id: int, worker: Caller, body: ReceivedBody, *,
+                            exchanges_applied: str | None = None) -> None:
+        """Keep the start state the route streamed to a file: it must be the committed bytes (409);
+        `exchanges_applied`: a sparta round's protocol.H_EXCHANGES_APPLIED, kept for its replay."""
         row = self.state_wanted(lease_id, worker)
         if body.sha256 != row.state_sha256 or body.size != row.state_bytes:
             raise Conflict(f"lease {lease_id}'s start state is not what its upload committed to (SHA-256 "
@@ -107,7 +115,7 @@ class SpotCheckService:
             return  # the same bytes again
         self.storage.stage_received(body, state_name(self.storage, row.run_id, lease_id))
         with self.db.begin() as c:
-            check_rows.start_state_received(c, lease_id, utcnow())
+            check_rows.start_state_received(c, lease_id, utcnow(), exchanges_applied=exchanges_applied)
         self._wake.set()
 
     # -- the checker --------------------------------------------------------------------------------
@@ -158,17 +166,26 @@ class SpotCheckService:
             offset = check_rows.steps_before(c, row.worker_id, row.seq)
             ahead = check_rows.ahead_of(c, row.worker_id, row.lease_id, row.base_version, AHEAD)
         cfg = RunConfig.model_validate_json(row.config_json)
-        why = spotcheck.not_checkable(cfg, first_lease=first or row.state_sha256 is not None)
+        committed = row.state_sha256 is not None
+        why = spotcheck.not_checkable(cfg, first_lease=first or committed, committed=committed)
         result = None
         if why is None:
             try:
-                result = self._compare(row, cfg, first=first, offset=offset, ahead=ahead)
+                if ALGORITHMS[cfg.algorithm].exchanges:
+                    result = self._compare_exchanges(row, cfg)
+                else:
+                    result = self._compare(row, cfg, first=first, offset=offset, ahead=ahead)
+            except NotReplayable as exc:
+                why = str(exc)
             except (OSError, ValueError, zstandard.ZstdError) as exc:  # DeltaFormatError, SnapshotError
                 why = f"its base snapshot, shard or kept delta could not be read: {exc}"
             except Exception as exc:  # a replay that cannot run must not hold up the checks after it
                 log.exception("run %s: the replay of lease %d failed", cfg.name, row.lease_id)
                 why = f"the replay failed: {exc!r}"
         self._record(row, cfg, result, skipped=why)
+        if ALGORITHMS[cfg.algorithm].exchanges:  # the bodies the check kept from pruning
+            with self.db.begin() as c:
+                exchange_rows.drop_checked(c, row.lease_id, before_version=self.storage.pruned_through(row.run_id))
         self.storage.delete(copy_name(self.storage, row.run_id, row.lease_id, row.sha256))
         self.storage.delete(state_name(self.storage, row.run_id, row.lease_id))
         return True
@@ -181,12 +198,13 @@ class SpotCheckService:
         if row.state_received_at is None:
             return (f"its round's start state, committed with its upload, was not sent within "
                     f"{self.state_wait_s:g} s")
+        replica = ALGORITHMS[cfg.algorithm].starts_from is Start.REPLICA
         blob = self.storage.read(state_name(self.storage, row.run_id, row.lease_id))
         try:
-            state = start_state.decode(blob, schema=schema, limit=start_state.max_bytes(schema))
+            state = start_state.decode(blob, schema=schema, limit=start_state.max_bytes(schema, replica=replica))
         except ValueError as exc:
             return f"its round's start state is not one: {exc}"
-        why = (start_state.incomplete(state, schema=schema, group=cfg.inner.second_moment_workers > 1)
+        why = (start_state.incomplete(state, schema=schema, group=cfg.inner.second_moment_workers > 1, replica=replica)
                or start_state.implausible(state, beta1=cfg.inner.beta1, beta2=cfg.inner.beta2))
         return f"its round's start state is no AdamW state: {why}" if why else state
 
@@ -220,6 +238,54 @@ class SpotCheckService:
             row.run_id, row.shard_index), cfg), lr=row.lr, seed=row.seed ^ replay.CONTROL_SEED, start=state,
             feedback_decay=cfg.compression.feedback_decay)
         return replay.compare_committed(values, ref, rounded, replay.on_support(sent, control)[1])
+
+    def _compare_exchanges(self, row, cfg: RunConfig) -> replay.Comparison:
+        """A round with exchanges (sparta): what its exchanges carried, less its start, against a replay
+        of the round from its committed start state (the replica's weights for sparta, else the base)
+        and a control replay on another shard (replay.compare_committed)."""
+        schema = self.live.schema_of(row.run_id)
+        state = self._start_state(row, cfg, schema)
+        if isinstance(state, str):
+            return replay.Comparison(math.nan, math.nan, False, state)
+        try:
+            resumed, applied = replay.parse_applied(row.exchanges_applied or "", steps=cfg.inner.steps)
+        except ValueError as exc:
+            return replay.Comparison(math.nan, math.nan, False, f"where it applied its corrections is not said "
+                                     f"({protocol.H_EXCHANGES_APPLIED}): {exc}")
+        with self.db.read() as c:
+            rows = exchange_rows.of_lease(c, row.lease_id)
+        # a round resumed after an interruption: its exchanges after the resume were made before it by
+        # a run of steps whose corrections the restart lost; those before it are the replay's
+        sent = {step: codec.decode(body, schema=schema) for step, body, _ in rows
+                if body and (not resumed or step <= resumed)}
+        answers = {step: answer for step, _, answer in rows}
+        if not sent:
+            return replay.Comparison(math.nan, math.nan, False, "its round made no exchange: nothing of it "
+                                     "reached the model to compare with the replay")
+        corrections: dict[int, list[codec.Delta]] = {}
+        for step, after in sorted(applied.items()):
+            if step not in answers:
+                return replay.Comparison(math.nan, math.nan, False, f"it says it applied a correction to its "
+                                         f"exchange after step {step}, which it never made")
+            if answers[step] is None:  # not kept: sampled at another rate than when it was answered
+                raise NotReplayable(f"the answer to its exchange after step {step} was not kept")
+            corrections.setdefault(after, []).append(codec.decode(answers[step], schema=schema))
+        if ALGORITHMS[cfg.algorithm].starts_from is Start.REPLICA:
+            start = state.params
+        else:
+            start, _ = decode_snapshot(self.storage.read(self.storage.snapshot(row.run_id, row.base_version)),
+                                       schema=schema)
+        steps = sorted(sent)
+
+        def replayed(index: int, batch_seed: int) -> dict:
+            return replay.replay_exchanges(cfg.model, cfg.inner, start, self._tokens(row.run_id, index, cfg),
+                                           lr=row.lr, batch_seed=batch_seed, lease_seed=row.seed, steps=steps,
+                                           cfg=cfg.sparta, start=state, corrections=corrections)
+
+        own = replayed(row.shard_index, row.seed)
+        control = replayed(self._other_shard(row.run_id, row.shard_index), row.seed ^ replay.CONTROL_SEED)
+        values, ref, rounded, ctl = replay.exchange_vectors(sent, own, control, start)
+        return replay.compare_committed(values, ref, rounded, ctl)
 
     def _tokens(self, run_id: int, index: int, cfg: RunConfig) -> torch.Tensor:
         raw = zstandard.ZstdDecompressor().stream_reader(self.storage.read(self.storage.shard(run_id, index))).read()

@@ -106,7 +106,7 @@ class UploadService:
                     self.storage.stage_received(body, staged)
                 else:
                     self.storage.write(staged, body)
-            kept = self._keep_for_check(lease_id, lease, cfg, staged, digest)
+            kept = self._keep_for_check(lease_id, lease, cfg, staged, digest, committed=commitment is not None)
             acked = None
             with timing.phase("ack_wait"):
                 self._ack_lock.acquire()
@@ -164,10 +164,11 @@ class UploadService:
             raise Refused(Gone(f"lease {lease_id} is {lease.run_version - lease.base_version} versions stale, "
                                f"above the run's limit of {cfg.outer.max_staleness}; take a new lease"), None)
 
-    def _keep_for_check(self, lease_id: int, lease: Row, cfg: RunConfig, staged: str, digest: str) -> str | None:
+    def _keep_for_check(self, lease_id: int, lease: Row, cfg: RunConfig, staged: str, digest: str, *,
+                        committed: bool) -> str | None:
         """A copy of a sampled lease's staged delta, for its replay spot-check (None: not sampled).
         Taken before the serial section: the acknowledgement only adds the check's row."""
-        if (self.spotchecks is None or spotcheck.not_checkable(cfg, first_lease=True) is not None
+        if (self.spotchecks is None or spotcheck.not_checkable(cfg, first_lease=True, committed=committed) is not None
                 or not self.spotchecks.wanted(run_seed=cfg.seed, lease_id=lease_id)):
             return None
         with timing.phase("write"):

@@ -31,22 +31,29 @@ So `compare` is given the replay rounded by the delta's own value codecs (`round
 and scales the cosine bound and the norm-ratio bounds by what that rounding keeps of the replay:
 an honest int1 first round is held to 0.98 of int1's own cosine, and another shard's delta,
 rounded alike, still falls below it.
+
+A sparta round sends nothing at its end: its progress went out in its exchanges. Its check
+(`replay_exchanges`, `exchange_vectors`) replays the round from the worker's committed replica and
+optimizer state, applying the coordinator's corrections after the steps the worker says it did, and
+holds what the exchanges carried (less the start) to `compare_committed` against the replay's weights
+at the same indices.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import torch
 
+from shared.algorithms import sparta
 from shared.algorithms.inner import make_optimizer, pseudo_gradient, run_steps
 from shared.algorithms.start_state import StartState
 from shared.codec import Delta, Entry
 from shared.codec.values import VALUE_CODECS
-from shared.config import InnerConfig
+from shared.config import InnerConfig, SpartaConfig
 from shared.model import ModelConfig, build_model, get_params, set_params
 from shared.optim_state import load_optimizer_state
 
@@ -103,6 +110,93 @@ def replay_round(model_cfg: ModelConfig, inner: InnerConfig, base: Mapping[str, 
     if start is not None and start.residual:
         pg = {n: t + feedback_decay * start.residual[n] if n in start.residual else t for n, t in pg.items()}
     return pg
+
+
+def replay_exchanges(model_cfg: ModelConfig, inner: InnerConfig, start_params: Mapping[str, torch.Tensor],
+                     tokens: torch.Tensor, *, lr: float, batch_seed: int, lease_seed: int, steps: Sequence[int],
+                     cfg: SpartaConfig, start: StartState,
+                     corrections: Mapping[int, Sequence[Delta]] | None = None) -> dict[int, Delta]:
+    """What a sparta round's exchanges would carry had it trained alone: from `start_params` and the
+    committed optimizer state, the round's steps on `tokens` (batches drawn from batch_seed, as
+    replay_round draws them), and after each step in `steps` the weights at that exchange's seeded
+    indices (sparta.select, values unrounded), by step. CPU, fp32, the same bits every time.
+
+    The worker's own round also applies the coordinator's corrections as they arrive (w -= d on the
+    indices of its earlier exchanges); `corrections`, local step -> the corrections its worker applied
+    after it (before selecting that step's exchange), applies them where the worker did."""
+    model = build_model(model_cfg)
+    set_params(model, {n: t.to(torch.float32) for n, t in start_params.items()})
+    opt = make_optimizer(model, inner)
+    if not start.fresh:
+        load_optimizer_state(model, opt, dataclasses.replace(start.optimizer, groups=[{} for _ in opt.param_groups]))
+    params = dict(model.named_parameters())
+    want, out = set(steps), {}
+
+    def on_step(step: int, loss: float) -> None:
+        for d in (corrections or {}).get(step, ()):
+            sparta.apply_correction(params, d)
+        if step in want:
+            out[step] = sparta.select(params, p=cfg.p, seed=sparta.exchange_seed(lease_seed, step), values="fp32")
+
+    if want:
+        run_steps(model, opt, tokens, inner, lr=lr, steps=max(want), generator=torch.Generator().manual_seed(batch_seed),
+                  step_offset=start.steps_done, on_step=on_step)
+    return out
+
+
+MAX_APPLIED_CHARS = 1 << 16  # the header's text at most (some 6,000 exchanges a round)
+
+
+def format_applied(resumed_at: int, applied: Mapping[int, int]) -> str:
+    """protocol.H_EXCHANGES_APPLIED's text: the step the round resumed at (0: none), then each
+    exchange's step and the local step after which its correction was applied."""
+    return f"{int(resumed_at)};" + ",".join(f"{int(s)}:{int(t)}" for s, t in sorted(applied.items()))
+
+
+def parse_applied(text: str, *, steps: int | None = None) -> tuple[int, dict[int, int]]:
+    """format_applied's inverse, checked (ValueError says what is wrong): every number a step of the
+    round (steps: its local steps; None: not checked here), each correction applied after its own
+    exchange, at most at the round's end (steps + 1)."""
+    if len(text) > MAX_APPLIED_CHARS:
+        raise ValueError(f"{len(text)} characters, more than {MAX_APPLIED_CHARS}")
+    head, sep, rest = text.partition(";")
+    if not sep or not head.isdigit():
+        raise ValueError("not '<resumed at>;<exchange step>:<after step>,...'")
+    applied: dict[int, int] = {}
+    for pair in filter(None, rest.split(",")):
+        s, colon, t = pair.partition(":")
+        if not colon or not s.isdigit() or not t.isdigit() or len(s) > 9 or len(t) > 9:
+            raise ValueError(f"{pair[:40]!r} is not '<exchange step>:<after step>'")
+        s_, t_ = int(s), int(t)
+        if s_ in applied or not 1 <= s_ < t_ or (steps is not None and t_ > steps + 1):
+            raise ValueError(f"{pair[:40]!r}: a correction is applied once, after its exchange, by the round's end")
+        applied[s_] = t_
+    resumed = int(head[:9])
+    if steps is not None and resumed > steps:
+        raise ValueError(f"resumed at step {resumed} of a {steps}-step round")
+    return resumed, applied
+
+
+def exchange_vectors(sent: Mapping[int, Delta], replay: Mapping[int, Delta], control: Mapping[int, Delta],
+                     start: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """(sent, replay, the replay rounded by the exchanges' own value codecs, the control), each the
+    exchanges' values less the start's at their indices, laid end to end (float64): what the round
+    moved its weights by where it exchanged them, as compare_committed takes it. The exchanges'
+    indices are the ones their seeds draw, on both sides (the coordinator refuses others)."""
+    parts: list[list[torch.Tensor]] = [[], [], [], []]
+    for step in sorted(sent):
+        ours, theirs = ({e.name: e for e in d[step].entries} for d in (replay, control))
+        for e in sent[step].entries:
+            r, k = ours.get(e.name), theirs.get(e.name)
+            if r is None or k is None or not (e.seed == r.seed == k.seed):
+                raise ValueError(f"exchange after step {step}: its {e.name} is not at the replay's indices")
+            at = start[e.name].reshape(-1)[torch.from_numpy(np.asarray(e.indices, dtype=np.int64))].to(torch.float64)
+            raw = np.asarray(r.values, dtype=np.float32)
+            value_codec = VALUE_CODECS[e.value_kind]
+            rounded = value_codec.decode(memoryview(value_codec.encode(raw)), raw.size)[0]
+            for i, values in enumerate((e.values, raw, rounded, k.values)):
+                parts[i].append(torch.from_numpy(np.asarray(values, dtype=np.float64)) - at)
+    return tuple(torch.cat(p) if p else torch.zeros(0, dtype=torch.float64) for p in parts)
 
 
 def _at(entry: Entry, replay: Mapping[str, torch.Tensor]) -> torch.Tensor:

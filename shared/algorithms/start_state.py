@@ -9,10 +9,15 @@ the lease is sampled, and keeps the bytes; a sampled lease's check asks for them
 against the commitment and replays the round from them: then an honest later round is the replay
 but for compression and float rounding, and is held to spotcheck.EXACT like a first round.
 
+A sparta round starts from the worker's own replica, which the coordinator does not hold either:
+its state carries the replica's weights as the round starts (`params`), and the check replays the
+round's exchanges from them.
+
 The bytes are one safetensors file, deterministic for a given state (the same state hashes alike):
 
     opt/<param>/<key>   each optimizer state tensor (AdamW: exp_avg, exp_avg_sq, step)
     residual/<param>    the error-feedback residual (none without error feedback)
+    params/<param>      the weights the round starts from (rounds on a replica only: sparta)
     __metadata__        {"idletrain.start_state": JSON of format, steps_done, the optimizer's scalars}
 
 `decode` treats them as untrusted: the size capped before parsing (max_bytes), every name a
@@ -47,6 +52,7 @@ class StartState:
     optimizer: OptimizerState  # tensors by parameter name; no param groups (the replay makes its own)
     residual: dict[str, torch.Tensor]
     steps_done: int  # the worker's local steps before this round: where its lr warm-up stands
+    params: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)  # a replica's start (sparta)
 
     @property
     def fresh(self) -> bool:
@@ -54,9 +60,13 @@ class StartState:
         return not self.optimizer.tensors
 
 
-def encode(optimizer: OptimizerState | None, residual: Mapping[str, torch.Tensor], *, steps_done: int) -> bytes:
-    """The state's bytes (optimizer None: a fresh one). Equal states give equal bytes."""
+def encode(optimizer: OptimizerState | None, residual: Mapping[str, torch.Tensor], *, steps_done: int,
+           params: Mapping[str, torch.Tensor] | None = None) -> bytes:
+    """The state's bytes (optimizer None: a fresh one; params: a replica's weights). Equal states give
+    equal bytes."""
     tensors: dict[str, torch.Tensor] = {}
+    for name in sorted(params or {}):
+        tensors[f"params/{name}"] = params[name].detach().to("cpu", torch.float32).contiguous()
     scalars: dict = {}
     if optimizer is not None:
         for name in sorted(optimizer.tensors):
@@ -73,11 +83,13 @@ def sha256(blob: bytes) -> str:
     return hashlib.sha256(blob).hexdigest()
 
 
-def max_bytes(schema: Mapping[str, tuple[int, ...]], *, optimizer_tensors: int = 3) -> int:
+def max_bytes(schema: Mapping[str, tuple[int, ...]], *, optimizer_tensors: int = 3, replica: bool = False) -> int:
     """The most a start state of a model of this schema can weigh: `optimizer_tensors` fp32 tensors a
-    parameter (AdamW: 2 moments, or GroupAdamW's 4, and its step) plus the residual, and the header."""
+    parameter (AdamW: 2 moments, or GroupAdamW's 4, and its step) plus the residual (and the weights,
+    for a round on a replica), and the header."""
     n = sum(math.prod(shape) for shape in schema.values())
-    return 4 * n * (optimizer_tensors + 1) + 64 * len(schema) * (optimizer_tensors + 2) + HEADER_SLACK
+    per = optimizer_tensors + 1 + replica
+    return 4 * n * per + 64 * len(schema) * (per + 1) + HEADER_SLACK
 
 
 def decode(blob: bytes, *, schema: Mapping[str, tuple[int, ...]], limit: int) -> StartState:
@@ -102,6 +114,7 @@ def decode(blob: bytes, *, schema: Mapping[str, tuple[int, ...]], limit: int) ->
         raise ValueError("its optimizer scalars name no parameter of the run's model")
     tensors: dict[str, dict[str, torch.Tensor]] = {}
     residual: dict[str, torch.Tensor] = {}
+    params: dict[str, torch.Tensor] = {}
     for key, t in loaded.items():
         kind, _, rest = key.partition("/")
         name, sub = (rest.rsplit("/", 1) + [""])[:2] if kind == "opt" else (rest, "")
@@ -111,28 +124,35 @@ def decode(blob: bytes, *, schema: Mapping[str, tuple[int, ...]], limit: int) ->
             raise ValueError(f"{key!r} is {t.dtype}, not float32")
         if not bool(torch.isfinite(t).all()):
             raise ValueError(f"{key!r} holds values that are not finite")
-        if kind == "residual":
+        if kind in ("residual", "params"):
             if tuple(t.shape) != tuple(schema[name]):
                 raise ValueError(f"{key!r} has shape {tuple(t.shape)}, the parameter {tuple(schema[name])}")
-            residual[name] = t
+            (residual if kind == "residual" else params)[name] = t
         elif kind == "opt" and sub:
             if sub != "step" and tuple(t.shape) != tuple(schema[name]):
                 raise ValueError(f"{key!r} has shape {tuple(t.shape)}, the parameter {tuple(schema[name])}")
             tensors.setdefault(name, {})[sub] = t
         else:
-            raise ValueError(f"{key!r} is neither an optimizer tensor nor a residual")
+            raise ValueError(f"{key!r} is neither an optimizer tensor, a residual nor a weight")
     clean = {n: {k: v for k, v in d.items() if isinstance(v, (bool, int, float)) and math.isfinite(float(v))}
              for n, d in scalars.items()}
-    return StartState(OptimizerState(tensors=tensors, scalars=clean, groups=[]), residual, steps_done)
+    return StartState(OptimizerState(tensors=tensors, scalars=clean, groups=[]), residual, steps_done, params)
 
 
 ADAMW_KEYS = frozenset({"step", "exp_avg", "exp_avg_sq"})  # torch.optim.AdamW's, `step` a 0-d tensor
 GROUP_KEYS = frozenset({"exp_avg", "signal", "noise", "prev_grad"})  # group_adamw.GroupAdamW's; `step` an int
 
 
-def incomplete(state: StartState, *, schema: Mapping[str, tuple[int, ...]], group: bool) -> str | None:
+def incomplete(state: StartState, *, schema: Mapping[str, tuple[int, ...]], group: bool,
+               replica: bool = False) -> str | None:
     """Why the state is not one the run's optimizer holds for every parameter (None: it is, or it is
-    fresh): the same tensors for each parameter as that optimizer keeps, and one step count."""
+    fresh): the same tensors for each parameter as that optimizer keeps, and one step count; and for
+    a round on a replica (replica=True), its weights, every one of them, and only then."""
+    if replica and set(state.params) != set(schema):
+        missing = sorted(set(schema) - set(state.params))
+        return f"the replica's weights the round starts from: none for {missing[:4] or 'every parameter'}"
+    if not replica and state.params:
+        return "it carries weights, where the round starts from its lease's base"
     if state.fresh:
         return None
     keys = GROUP_KEYS if group else ADAMW_KEYS

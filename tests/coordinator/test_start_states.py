@@ -114,6 +114,9 @@ def test_the_start_state_route_takes_only_the_committed_bytes(api, run_config):
         return api.client.put(f"{API}/leases/{lease_id}/start-state", content=blob,
                               headers={**who, "Content-Type": "application/octet-stream"})
 
+    malformed = api.client.put(f"{API}/leases/{lease.lease_id}/start-state", content=state, headers={
+        **headers, "Content-Type": "application/octet-stream", protocol.H_EXCHANGES_APPLIED: "0;3:2"})
+    assert malformed.status_code == 400 and protocol.H_EXCHANGES_APPLIED in malformed.json()["detail"]
     assert put(b"x" * (len(state) + 1)).status_code == 413
     assert put(b"y" * len(state)).status_code == 409
     assert put(state, api.register(name="other")).status_code == 403

@@ -7,6 +7,8 @@ from __future__ import annotations
 import hashlib
 
 import httpx
+from types import SimpleNamespace
+
 import pytest
 
 from worker.answers import CoordinatorError
@@ -17,10 +19,11 @@ class Coordinator:
     def __init__(self, answer=None) -> None:
         self.answer, self.got = answer, []
 
-    def upload_start_state(self, lease_id: int, blob: bytes) -> None:
+    def upload_start_state(self, lease_id: int, blob: bytes, *, exchanges_applied: str | None = None) -> None:
         if isinstance(self.answer, BaseException):
             raise self.answer
         self.got.append((lease_id, blob))
+        self.applied = getattr(self, "applied", []) + [(lease_id, exchanges_applied)]
 
 
 def test_the_newest_states_are_kept_and_committed_to_by_their_hash(tmp_path):
@@ -65,3 +68,21 @@ def test_a_state_asked_for_after_it_was_pruned_is_said_and_not_marked(tmp_path, 
     starts = StartStates(tmp_path / "starts")
     starts.want(9)
     assert starts.wanted() == [] and "gone" in caplog.text
+
+
+def test_a_sparta_rounds_corrections_go_with_its_state_and_then_go(tmp_path):
+    starts = StartStates(tmp_path / "starts")
+    starts.keep(3, b"state 3")
+    starts.keep(4, b"state 4")
+    def sparta(lease_id: int, algorithm: str = "sparta"):
+        return SimpleNamespace(lease_id=lease_id, algorithm=algorithm)
+
+    starts.note_exchanges(sparta(3), SimpleNamespace(resumed_at=0, exchanges_applied_at={2: 3, 4: 7}))
+    starts.note_exchanges(sparta(9), SimpleNamespace(resumed_at=0, exchanges_applied_at={2: 3}))  # no state kept
+    starts.note_exchanges(sparta(4, "diloco"), SimpleNamespace(resumed_at=0, exchanges_applied_at={}))
+    starts.want(3)
+    starts.want(4)
+    coord = Coordinator()
+    assert starts.send_wanted(coord) == 2
+    assert coord.applied == [(3, "0;2:3,4:7"), (4, None)]
+    assert not list((tmp_path / "starts").glob("*.ex"))

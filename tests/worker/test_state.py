@@ -72,7 +72,7 @@ def sample_state(*, with_round: bool = True) -> TrainerState:
     gen = torch.Generator().manual_seed(5)
     torch.randint(0, 100, (7,), generator=gen)
     rnd = RoundState(lease=make_lease(), step=4, losses=[5.5, 5.25, 5.0, 4.75], generator=gen.get_state(),
-                     base=rand_like(params, 1)) if with_round else None
+                     base=rand_like(params, 1), exchanges_applied={1: 2, 2: 4}) if with_round else None
     return TrainerState(model=MODEL.to_dict(), inner=inner.model_dump(mode="json"), steps_done=17, replica=False,
                         params=params, optimizer=optimizer_state(model, opt), residual=rand_like(params, 2),
                         round=rnd)
@@ -95,6 +95,7 @@ def test_every_field_survives_a_round_trip_bit_for_bit(tmp_path):
     assert got.optimizer.groups == saved.optimizer.groups and got.optimizer.scalars == saved.optimizer.scalars
     r, s = got.round, saved.round
     assert r.lease == s.lease and r.step == 4 and r.losses == s.losses
+    assert r.exchanges_applied == {1: 2, 2: 4}  # a sparta round's corrections, for its spot-check's replay
     assert torch.equal(r.generator, s.generator) and r.generator.dtype == torch.uint8
     assert same(r.base, s.base)
     # the generator state really restores the sampler

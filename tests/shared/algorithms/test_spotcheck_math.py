@@ -165,3 +165,18 @@ def test_a_round_that_moves_nothing_matches_nothing():
     assert not compare(torch.ones(8, dtype=torch.float64), z, EXACT).passed
     with pytest.raises(ValueError):
         SpotCheckBounds(min_cosine=0.5, min_ratio=2.0, max_ratio=1.0)
+
+
+# -- where a sparta round applied its corrections (protocol.H_EXCHANGES_APPLIED) ----------------------
+
+def test_applied_corrections_round_trip_and_bad_ones_are_named():
+    from shared.algorithms.spotcheck import format_applied, parse_applied
+
+    text = format_applied(4, {2: 3, 6: 9, 8: 11})
+    assert text == "4;2:3,6:9,8:11" and parse_applied(text, steps=10) == (4, {2: 3, 6: 9, 8: 11})
+    assert parse_applied("0;") == (0, {})
+    for bad, why in [("", "resumed at"), ("x;1:2", "resumed at"), ("0;1-2", "exchange step"), ("0;3:3", "after its"),
+                     ("0;3:2", "after its"), ("0;1:2,1:3", "once"), ("0;1:12", "round's end"), ("11;", "resumed at step"),
+                     ("0;" + "1:2," * 20000, "characters")]:
+        with pytest.raises(ValueError, match=why):
+            parse_applied(bad, steps=10)
