@@ -240,6 +240,11 @@ def run(*, trials: int, rounds: int, precisions: list[str], out: Path, threads: 
         "config": {"model": dataclasses.asdict(MODEL), "inner": INNER.model_dump(), "lr": LR, "trials": trials,
                    "rounds": rounds, "precisions": precisions, "threads": threads},
         "table": table, "rows": rows}
+    return write_outputs(result, out, report=report, plot=plot)
+
+
+def write_outputs(result: dict, out: Path, *, report, plot) -> dict:
+    """results.json, results.md (report) and pass.png (plot) under `out`; returns `result`."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(result, indent=1))
     (out / "results.md").write_text(report(result))
@@ -285,24 +290,40 @@ def plot(result: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def add_parser(sub) -> None:
-    p = sub.add_parser("spotcheck", help="honest and false deltas against the replay spot-check at rate 1: first "
-                                         "and later leases, fp32 and bf16 autocast")
-    p.add_argument("--trials", type=int, default=40, help="independent pairs of workers per precision")
-    p.add_argument("--rounds", type=int, default=6, help="leases per worker (the first is a first lease)")
+def add_common(p, *, name: str, trials: int, rounds: int, per: str) -> None:
+    """The options both spot-check benchmarks take (their defaults, and what a trial is per)."""
+    p.add_argument("--trials", type=int, default=trials, help=f"independent pairs of workers per {per}")
+    p.add_argument("--rounds", type=int, default=rounds, help="leases per worker (the first is a first lease)")
     p.add_argument("--precision", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--out", default=None, help="output folder (default bench-results/spotcheck)")
-    p.set_defaults(func=cmd)
+    p.add_argument("--out", default=None, help=f"output folder (default bench-results/{name})")
 
 
-def cmd(args: argparse.Namespace) -> int:
+def checked_out(args: argparse.Namespace, name: str) -> Path | int:
+    """The output folder, or fail()'s exit status when --trials or --rounds is out of range."""
     from idletrain.cli.common import fail
 
     if args.trials < 1 or args.rounds < 2:
         return fail("--trials must be at least 1 and --rounds at least 2 (a first lease and a later one)")
-    out = Path(args.out or "bench-results/spotcheck")
-    run(trials=args.trials, rounds=args.rounds, precisions=args.precision, out=out, threads=args.threads)
+    return Path(args.out or f"bench-results/{name}")
+
+
+def show(out: Path) -> int:
     print((out / "results.md").read_text())
     print(f"wrote {out / 'results.json'}, {out / 'results.md'}, {out / 'pass.png'}")
     return 0
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("spotcheck", help="honest and false deltas against the replay spot-check at rate 1: first "
+                                         "and later leases, fp32 and bf16 autocast")
+    add_common(p, name="spotcheck", trials=40, rounds=6, per="precision")
+    p.set_defaults(func=cmd)
+
+
+def cmd(args: argparse.Namespace) -> int:
+    out = checked_out(args, "spotcheck")
+    if isinstance(out, int):
+        return out
+    run(trials=args.trials, rounds=args.rounds, precisions=args.precision, out=out, threads=args.threads)
+    return show(out)

@@ -23,14 +23,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import time
 from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
 
-from bench.spotcheck import interval, shard
+from bench.spotcheck import add_common, checked_out, interval, shard, show, write_outputs
 from shared import codec, protocol
 from shared.algorithms import sparta
 from shared.algorithms import spotcheck as sc
@@ -191,11 +190,7 @@ def run(*, trials: int, rounds: int, precisions: list[str], configs: list[Sparta
                    "rounds": rounds, "precisions": precisions, "sparta": [c.model_dump() for c in configs],
                    "threads": threads},
         "table": table, "rows": rows}
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(result, indent=1))
-    (out / "results.md").write_text(report(result))
-    plot(result, out / "pass.png")
-    return result
+    return write_outputs(result, out, report=report, plot=plot)
 
 
 def report(result: dict) -> str:
@@ -237,25 +232,17 @@ def plot(result: dict, path: Path) -> None:
 def add_parser(sub) -> None:
     p = sub.add_parser("spotcheck-sparta", help="honest and false sparta exchanges against the replay spot-check "
                                                 "at rate 1, fp32 and bf16 autocast")
-    p.add_argument("--trials", type=int, default=10, help="independent pairs of workers per configuration")
-    p.add_argument("--rounds", type=int, default=5, help="leases per worker")
-    p.add_argument("--precision", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
+    add_common(p, name="spotcheck-sparta", trials=10, rounds=5, per="configuration")
     p.add_argument("--p", nargs="+", type=float, default=[0.001, 0.01], help="sparta.p values to try")
     p.add_argument("--every", nargs="+", type=int, default=[1, 4], help="sparta.every values to try")
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--out", default=None, help="output folder (default bench-results/spotcheck-sparta)")
     p.set_defaults(func=cmd)
 
 
 def cmd(args: argparse.Namespace) -> int:
-    from idletrain.cli.common import fail
-
-    if args.trials < 1 or args.rounds < 2:
-        return fail("--trials must be at least 1 and --rounds at least 2 (a first lease and a later one)")
-    out = Path(args.out or "bench-results/spotcheck-sparta")
+    out = checked_out(args, "spotcheck-sparta")
+    if isinstance(out, int):
+        return out
     configs = [SpartaConfig(p=p, every=e) for p in args.p for e in args.every]
     run(trials=args.trials, rounds=args.rounds, precisions=args.precision, configs=configs, out=out,
         threads=args.threads)
-    print((out / "results.md").read_text())
-    print(f"wrote {out / 'results.json'}, {out / 'results.md'}, {out / 'pass.png'}")
-    return 0
+    return show(out)
