@@ -181,9 +181,10 @@ class RunUnavailable(Blocked):
         self.run = run
 
     def message(self) -> str:
-        if self.status == 410:
-            return (f"run {self.run!r} finished ({self.detail}); nothing to train: pick another run (--run), or "
-                    "leave --run out to follow whatever the coordinator trains. Waiting, asking again in a while")
+        if self.status == 410:  # the worker stops (loop.py): a finished run never hands out work again
+            said = self.detail if self.detail.startswith(f"run {self.run!r}") else f"run {self.run!r} finished ({self.detail})"
+            return (f"{said}: nothing more to train, so this worker stops. Pick another run (--run), or leave "
+                    "--run out to follow whatever the coordinator trains")
         return (f"run {self.run!r} is not available ({self.detail}): pick another run (--run), or wait for the "
                 "operator to resume it. Waiting, asking again in a while")
 

@@ -13,7 +13,7 @@
 Ctrl-C once: finish the current lease, deliver it, exit. Twice: exit at once (control.StopFlag).
 A coordinator that is down or restarting is waited for, with backoff and jitter, at start and
 between rounds; what was trained meanwhile waits on disk and is delivered first (recovery.py).
-A refusal only someone's action mends (answers.py) is said once and waited out (connection.py).
+A refusal only someone's action mends is said once and waited out (connection.py); a finished run stops it.
 
 Manners: before each round and between local steps the governor (worker/governor.py) asks the
 policy (worker/policy.py) whether to train now: `idletrain worker pause`, the daily transfer cap,
@@ -138,8 +138,7 @@ class Worker:
             transfer_cap_bytes=self.transfer.cap_bytes, started_at=self._started_at)
 
     def publish(self) -> None:
-        """Write status.json and move the display on (the governor's thread calls this every few
-        seconds, the training thread at each change)."""
+        """Write status.json and move the display on (the governor's thread every few seconds)."""
         with self._publish_lock:
             if self.store.dir.is_dir():
                 self.status_file.write(self.status())
@@ -149,8 +148,7 @@ class Worker:
 
     def _round(self, lease: protocol.Lease, resume: RoundState | None = None,
                fetched: Prefetched | None = None) -> None:
-        """Train one lease (or the rest of it), save, deliver (settings.overlap: start delivering it in the
-        background, once the previous delivery is answered)."""
+        """Train one lease (or the rest of it), save, deliver (overlap: in the background, in turn)."""
         self.downloads.check(lease)
         self.progress.set_phase("downloading")
         if fetched is not None:  # fetched during the end of the round before
@@ -321,8 +319,10 @@ class Worker:
                     continue  # no work now: asked again after the wait the coordinator said
                 failures, self.connection.blocked_message = 0, None
             except Blocked as exc:  # only someone's action mends it: say so, keep what was trained, wait
-                if self.leave_when is not None and exc.status in (401, 403, 404, 410):  # the run over, or refusing:
-                    self.left = exc  # following the coordinator, another run may take this worker
+                if exc.status == 410 or (self.leave_when is not None and exc.status in (401, 403, 404)):
+                    self.left = exc  # the run over (a worker of one run stops), or refusing: following the
+                    if self.leave_when is None:  # coordinator, another run may take this worker
+                        log.info("%s", exc.message())
                     break
                 self.connection.wait_blocked(exc)
                 recover = True  # a delta kept on disk goes first

@@ -309,3 +309,21 @@ def test_two_workers_cannot_share_one_state_folder(api, run, tmp_path):
     assert w.run() == 1
     assert other.lock()  # released when run() returned
     other.unlock()
+
+
+def test_a_worker_of_a_finished_run_says_so_once_and_stops(api, run, tmp_path, caplog):
+    """A worker started with --run on a run that is finished: one INFO line that says so (its detail
+    not wrapped in itself), then it exits 0 (no restart loop: the service files restart on failure
+    only) instead of waiting with an ERROR line repeated."""
+    import logging
+
+    assert api.operator("post", f"{API}/runs/t/finish", params={"grace_s": 0}).status_code == 200
+    w, _ = make_worker(api, tmp_path, max_rounds=None)
+    w.connection.wait_blocked = lambda exc: pytest.fail(f"waited on a finished run: {exc.message()}")
+    with caplog.at_level(logging.INFO, logger="worker"):
+        assert w.run() == 0
+    said = [r for r in caplog.records if "nothing more to train" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelno == logging.INFO, caplog.text
+    assert said[0].getMessage().startswith("run 't' finished (") and "finished (run 't'" not in said[0].getMessage()
+    assert w.left is not None and w.left.status == 410
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
