@@ -235,7 +235,8 @@ class RunStatus(_Body):
     version: int
     merged_deltas: int
     pending_deltas: int
-    rejected_deltas: int
+    rejected_deltas: int = Field(description="rejected at merge (merged + rejected = version)")
+    refused_at_upload: int = Field(0, description="deltas refused before they were acknowledged")
     eval_loss: float | None
     eval_history: list[EvalPoint]
     workers_active: int
@@ -256,8 +257,7 @@ class RunStatus(_Body):
     shards_done: int
     epoch: int
     clipped_deltas: int = Field(0, description="merged after robust merging scaled them down")
-    compensated_deltas: int = Field(0, description="merged deltas taken back after a failed replay spot-check "
-                                                   "(their compensation applied, or waiting for the next merge)")
+    compensated_deltas: int = Field(0, description="merged deltas taken back after a failed replay spot-check")
     # Counts only: which workers and why is the operator's (GET /runs/{run}/workers, admin token);
     # the reasons quote the screening's thresholds, a map for a poisoner to stay under them.
     workers_throttled: int = Field(0, description="workers robust merging throttled")
@@ -358,7 +358,8 @@ class Dashboard(_Body):
     n_params: int
     tokens_trained: int
     merged_deltas: int
-    rejected_deltas: int = Field(description="refused at upload or rejected at merge")
+    rejected_deltas: int = Field(description="rejected at merge, as RunStatus counts them")
+    refused_at_upload: int = Field(0, description="deltas refused before they were acknowledged")
     eval_loss: float | None
     evals: list[EvalPoint] = Field(description="the eval history, thinned to at most 500 points "
                                                "(the first and the last always kept)")

@@ -22,9 +22,15 @@ def outcomes(c: Connection, run_id: int) -> dict[str, int]:
         DeltaRecord.run_id == run_id).group_by(DeltaRecord.outcome))}
 
 
-def rejected_at_merge(c: Connection, run_id: int) -> int:
-    return c.scalar(select(func.count()).select_from(DeltaRecord).where(
-        DeltaRecord.run_id == run_id, DeltaRecord.outcome == "rejected")) or 0
+def delta_counts(c: Connection, run_id: int) -> dict[str, int]:
+    """The run's deltas, as status, the dashboard and /metrics count them: `queued`, `merged` and
+    `rejected` (at merge: merged + rejected = the version), and `refused` at upload (never acknowledged:
+    each worker's deltas_rejected counts both kinds)."""
+    counts = outcomes(c, run_id)
+    rejected_total = c.scalar(select(func.coalesce(func.sum(Worker.deltas_rejected), 0))
+                              .where(Worker.run_id == run_id)) or 0
+    return {"queued": counts.get("queued", 0), "merged": counts.get("merged", 0),
+            "rejected": counts.get("rejected", 0), "refused": max(0, int(rejected_total) - counts.get("rejected", 0))}
 
 
 def clipped(c: Connection, run_id: int) -> int:

@@ -94,7 +94,7 @@ class ReportService:
         now = utcnow()
         with self.db.connect() as c:
             run = named_run(run_rows.by_name(c, run_name), run_name)
-            counts = report_rows.outcomes(c, run.id)
+            counts = report_rows.delta_counts(c, run.id)
             exchanges = report_rows.exchanges(c, run.id)
             evals = _evals(c, run.id)
             active = report_rows.workers_leasing(c, run.id, now)
@@ -108,8 +108,9 @@ class ReportService:
         moved = run.bytes_up + run.bytes_down_model + run.bytes_down_data
         return protocol.RunStatus(
             name=run.name, state=run.state, algorithm=RunConfig.model_validate_json(run.config_json).algorithm,
-            version=run.version, merged_deltas=counts.get("merged", 0), pending_deltas=counts.get("queued", 0),
-            rejected_deltas=counts.get("rejected", 0), eval_loss=evals[-1].loss if evals else None,
+            version=run.version, merged_deltas=counts["merged"], pending_deltas=counts["queued"],
+            rejected_deltas=counts["rejected"], refused_at_upload=counts["refused"],
+            eval_loss=evals[-1].loss if evals else None,
             eval_history=evals, workers_active=active, workers_total=total_workers,
             tokens_trained=run.tokens_trained, worker_steps=run.worker_steps, bytes_up=run.bytes_up,
             bytes_down=run.bytes_down_model + run.bytes_down_data, bytes_down_model=run.bytes_down_model,
@@ -130,8 +131,8 @@ class ReportService:
         with self.db.connect() as c:
             run = named_run(run_rows.by_name(c, run_name), run_name)
             cfg = RunConfig.model_validate_json(run.config_json)
-            rejected_at_merge = report_rows.rejected_at_merge(c, run.id)
-            n_workers, rejected, credit_total = report_rows.worker_totals(c, run.id)
+            counts = report_rows.delta_counts(c, run.id)
+            n_workers, _, credit_total = report_rows.worker_totals(c, run.id)
             evals = _evals(c, run.id)
             live_workers = self._live_workers(c, run, cfg, now)
             leaders = report_rows.leaders(c, run.id, self.DASHBOARD_LEADERS)
@@ -141,8 +142,8 @@ class ReportService:
         moved = run.bytes_up + run.bytes_down_model + run.bytes_down_data
         return protocol.Dashboard(
             name=run.name, state=run.state, algorithm=cfg.algorithm, version=run.version, n_params=run.n_params,
-            tokens_trained=run.tokens_trained, merged_deltas=run.version - rejected_at_merge,
-            rejected_deltas=int(rejected), eval_loss=evals[-1].loss if evals else None,
+            tokens_trained=run.tokens_trained, merged_deltas=counts["merged"], rejected_deltas=counts["rejected"],
+            refused_at_upload=counts["refused"], eval_loss=evals[-1].loss if evals else None,
             evals=_thin(evals, self.DASHBOARD_EVALS), workers_total=n_workers, workers_live=len(live_workers),
             live_window_s=self.LIVE_WINDOW_S, bytes_moved=moved, dense_equivalent_bytes=dense,
             bytes_saved=dense - moved, traffic_ratio_vs_dense=(dense / moved) if moved else None,

@@ -173,7 +173,8 @@ def format_status(st: dict) -> str:
     last = f"{hist[-1]['loss']:.3f}" if hist else "-"
     ratio = st.get("traffic_ratio_vs_dense")
     return (f"run {st['name']} [{st['state']}] version {st['version']}: {st['merged_deltas']} merged, "
-            f"{st['pending_deltas']} queued, {st['rejected_deltas']} rejected | workers {st['workers_active']} active "
+            f"{st['pending_deltas']} queued, {st['rejected_deltas']} rejected at merge, "
+            f"{st.get('refused_at_upload', 0)} refused at upload | workers {st['workers_active']} active "
             f"/ {st['workers_total']} | tokens {st['tokens_trained']:,}"
             + (f" of {st['token_budget']:,}" if st.get("token_budget") else "") + _eta(st.get("progress"))
             + f" | eval loss {first} -> {last} | "

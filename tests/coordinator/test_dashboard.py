@@ -168,3 +168,33 @@ def test_dashboard_stays_small_and_fast_with_hundreds_of_workers(api, run):
     # time is a benchmark's matter, not a unit test's
     print(f"{len(statements)} statements")
     assert len(statements) <= 40, statements
+
+
+def test_status_dashboard_metrics_and_the_cli_count_deltas_alike(api, run_config, encode_unchecked):
+    """One delta refused at upload (its bytes are not a delta), one rejected at merge (it moves nothing):
+    status, the dashboard, /metrics and `idletrain status` all say 1 and 1 (they once said 0, 2 and 0)."""
+    import math
+
+    import numpy as np
+
+    from idletrain.cli.operator import format_status
+    from shared.model import build_model, param_schema
+
+    api.create_run(run_config(robust={"enabled": False}))
+    h = api.register(name="w")
+    first = api.lease(h)
+    assert api.upload(first.lease_id, b"not a delta", h).status_code in (400, 422)
+    second = api.lease(h)
+    zeros = [(n, np.zeros(math.prod(s), dtype=np.float32))
+             for n, s in param_schema(build_model(second.model)).items()]
+    assert api.upload(second.lease_id, encode_unchecked(second.base_version, zeros), h).status_code == 202
+    assert api.drain() == 1
+    st, d = api.status(), dashboard(api)
+    assert (st["merged_deltas"], st["rejected_deltas"], st["refused_at_upload"]) == (0, 1, 1)
+    assert (d["merged_deltas"], d["rejected_deltas"], d["refused_at_upload"]) == (0, 1, 1)
+    metrics = api.client.get("/metrics").text
+    assert 'idletrain_deltas_rejected_total{run="t",stage="merge"} 1.0' in metrics, metrics
+    assert 'idletrain_deltas_rejected_total{run="t",stage="upload"} 1.0' in metrics
+    (worker,) = api.operator("get", f"{API}/runs/t/workers").json()
+    assert worker["deltas_rejected"] == st["rejected_deltas"] + st["refused_at_upload"]
+    assert "1 rejected at merge, 1 refused at upload" in format_status(st)
