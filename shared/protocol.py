@@ -239,6 +239,7 @@ class RunStatus(_Body):
     refused_at_upload: int = Field(0, description="deltas refused before they were acknowledged")
     eval_loss: float | None
     eval_history: list[EvalPoint]
+    next_eval_version: int | None = Field(None, description="the version whose merge brings the next evaluation")
     workers_active: int
     workers_total: int
     tokens_trained: int
@@ -402,9 +403,8 @@ class RunMetrics(_Body):
 
 __all__ = [
     "API_PREFIX", "API_VERSION", "DeltaAccepted", "EvalPoint", "H_API_VERSION", "H_BASE_VERSION", "H_MAX_BODY",
-    "H_UPDATE_FEEDBACK", "H_EXCHANGES_APPLIED",
-    "H_SHA256", "H_START_STATE", "H_START_STATE_BYTES", "H_VERSION", "MIN_API_VERSION", "lease_api_version",
-    "lease_compression",
+    "H_UPDATE_FEEDBACK", "H_EXCHANGES_APPLIED", "H_SHA256", "H_START_STATE", "H_START_STATE_BYTES", "H_VERSION",
+    "MIN_API_VERSION", "lease_api_version", "lease_compression",
     "Health", "Lease", "RegisterRequest", "RegisterResponse", "RunConfig", "RunCreated", "RunStatus", "RunSummary",
     "WorkerInfo", "LeaseRenewed", "Dashboard", "LeaderboardEntry", "LiveWorker", "RunMetrics", "TeamEntry",
 ]

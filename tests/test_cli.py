@@ -226,10 +226,12 @@ def test_build_run_config_rejects_unknown_toml_keys(tmp_path):
 def test_format_status_one_line():
     st = {"name": "t", "state": "active", "version": 4, "merged_deltas": 3, "pending_deltas": 1,
           "rejected_deltas": 0, "workers_active": 2, "workers_total": 3, "tokens_trained": 12345,
-          "eval_history": [{"loss": 5.5}, {"loss": 3.25}], "bytes_up": 2_000_000, "bytes_down": 500_000,
-          "traffic_ratio_vs_dense": 40.0}
+          "eval_history": [{"loss": 5.5, "version": 0}, {"loss": 3.25, "version": 3}], "bytes_up": 2_000_000,
+          "bytes_down": 500_000, "traffic_ratio_vs_dense": 40.0, "next_eval_version": 6}
     line = operator.format_status(st)
-    assert "version 4" in line and "5.500 -> 3.250" in line and "12,345" in line and "40x" in line
+    assert "version 4" in line and "12,345" in line and "40x" in line
+    # which versions the losses are of, and when the next comes (issue 36: "9.003 -> 9.003" said neither)
+    assert "eval loss 5.500 at v0 -> 3.250 at v3 (next at v6)" in line
     assert "\n" not in line
 
 

@@ -106,12 +106,14 @@ class ReportService:
             progress = run_progress(c, run, now=now)
         dense = scheduler.dense_equivalent_bytes(worker_steps=run.worker_steps, n_params=run.n_params)
         moved = run.bytes_up + run.bytes_down_model + run.bytes_down_data
+        cfg = RunConfig.model_validate_json(run.config_json)
         return protocol.RunStatus(
-            name=run.name, state=run.state, algorithm=RunConfig.model_validate_json(run.config_json).algorithm,
+            name=run.name, state=run.state, algorithm=cfg.algorithm,
             version=run.version, merged_deltas=counts["merged"], pending_deltas=counts["queued"],
             rejected_deltas=counts["rejected"], refused_at_upload=counts["refused"],
             eval_loss=evals[-1].loss if evals else None,
             eval_history=evals, workers_active=active, workers_total=total_workers,
+            next_eval_version=(run.version // cfg.eval_every + 1) * cfg.eval_every if run.state == "active" else None,
             tokens_trained=run.tokens_trained, worker_steps=run.worker_steps, bytes_up=run.bytes_up,
             bytes_down=run.bytes_down_model + run.bytes_down_data, bytes_down_model=run.bytes_down_model,
             bytes_down_data=run.bytes_down_data, exchanges=exchanges, dense_equivalent_bytes=dense,

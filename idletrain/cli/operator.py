@@ -169,15 +169,16 @@ def worker_needs(cfg: RunConfig) -> str:
 
 def format_status(st: dict) -> str:
     hist = st["eval_history"]
-    first = f"{hist[0]['loss']:.3f}" if hist else "-"
-    last = f"{hist[-1]['loss']:.3f}" if hist else "-"
+    first = f"{hist[0]['loss']:.3f} at v{hist[0]['version']}" if hist else "-"
+    last = f"{hist[-1]['loss']:.3f} at v{hist[-1]['version']}" if hist else "-"
+    due = st.get("next_eval_version")
     ratio = st.get("traffic_ratio_vs_dense")
     return (f"run {st['name']} [{st['state']}] version {st['version']}: {st['merged_deltas']} merged, "
             f"{st['pending_deltas']} queued, {st['rejected_deltas']} rejected at merge, "
             f"{st.get('refused_at_upload', 0)} refused at upload | workers {st['workers_active']} active "
             f"/ {st['workers_total']} | tokens {st['tokens_trained']:,}"
             + (f" of {st['token_budget']:,}" if st.get("token_budget") else "") + _eta(st.get("progress"))
-            + f" | eval loss {first} -> {last} | "
+            + f" | eval loss {first} -> {last}" + (f" (next at v{due})" if due is not None else "") + " | "
             f"up {st['bytes_up'] / 1e6:.1f} MB, down {st['bytes_down'] / 1e6:.1f} MB"
             + (f" | {ratio:.0f}x less traffic than dense" if ratio else ""))
 

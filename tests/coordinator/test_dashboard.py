@@ -198,3 +198,5 @@ def test_status_dashboard_metrics_and_the_cli_count_deltas_alike(api, run_config
     (worker,) = api.operator("get", f"{API}/runs/t/workers").json()
     assert worker["deltas_rejected"] == st["rejected_deltas"] + st["refused_at_upload"]
     assert "1 rejected at merge, 1 refused at upload" in format_status(st)
+    every = api.runtime().config.eval_every
+    assert st["next_eval_version"] == every and f"(next at v{every})" in format_status(st)
