@@ -328,5 +328,5 @@ def _prepare(source: Path, kind: str, out: Path, *, tokenizer: str, vocab_size: 
                 "split": {"eval_tokens": eval_tokens} if eval_tokens is not None else
                 {"eval_fraction": eval_fraction, "block_tokens": EVAL_BLOCK}},
         train_tokens=sum(s.n_tokens for s in shards), train_bytes=sum(s.n_bytes for s in shards))
-    atomic_write(out / "manifest.json", (json.dumps(manifest.model_dump(), indent=1) + "\n").encode())
+    atomic_write(out / "manifest.json", (json.dumps(manifest.model_dump(), indent=1) + "\n").encode(), shared=True)
     return manifest

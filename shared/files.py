@@ -12,8 +12,24 @@ from pathlib import Path
 SYNC_CHUNK = 32 << 20  # a large file is written and synced this much at a time
 
 
-def atomic_write(path: Path, data: bytes | memoryview | Sequence[bytes | memoryview]) -> None:
+def umask() -> int:
+    """The process's umask (read by setting it and back: there is no other portable way)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def readable(path: Path) -> None:
+    """Give a file the mode a plain open() would (0666 less the umask): a temp file (mkstemp) and
+    safetensors' save_file make 0600, which other users of a shared folder cannot read."""
+    os.chmod(path, 0o666 & ~umask())
+
+
+def atomic_write(path: Path, data: bytes | memoryview | Sequence[bytes | memoryview], *,
+                 shared: bool = False) -> None:
     """Temp file, fsync, rename, fsync of the folder: a crash leaves the old file or the new one.
+    The file is private (0600, as its temp file is made) unless `shared` (the mode a plain open()
+    gives: a dataset's or an export's files, read by others).
 
     `data` is one buffer or several written back to back (a large file in parts, so it is never
     joined into one more copy: joining holds the GIL for the whole copy). A
@@ -24,6 +40,8 @@ def atomic_write(path: Path, data: bytes | memoryview | Sequence[bytes | memoryv
     make_dirs(path.parent)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        if shared:
+            os.fchmod(fd, 0o666 & ~umask())
         with os.fdopen(fd, "wb", buffering=0) as f:
             unsynced = 0
             for part in parts:

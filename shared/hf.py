@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from shared.files import readable
 from shared.model import ModelConfig
 from shared.tokenizer import EOT, Tokenizer
 
@@ -108,3 +109,4 @@ def write_hf_folder(out: Path, cfg: ModelConfig, params: Mapping[str, torch.Tens
         (out / name).write_text(text, encoding="utf-8")
     metadata = {"format": "pt", **provenance}
     safetensors.torch.save_file(hf_tensors(cfg, params), str(out / MODEL_FILE), metadata=dict(metadata))
+    readable(out / MODEL_FILE)  # save_file makes it 0600, unlike the folder's other files

@@ -169,6 +169,19 @@ def test_the_folder_computes_our_function_far_from_init(model, tmp_path):
         torch.testing.assert_close(hf(input_ids=idx).logits, want, rtol=1e-5, atol=1e-5)
 
 
+def test_every_file_of_an_exported_folder_has_the_same_mode(tmp_path):
+    """model.safetensors was written 0600 (safetensors' save_file) beside 0644 config and tokenizer files."""
+    import os
+    import stat
+
+    from shared.files import umask
+
+    cfg = ModelConfig(n_layer=1, n_head=2, d_model=16, context=16)
+    export.write_hf_folder(tmp_path / "hf", cfg, get_params(build_model(cfg)), bytes_tokenizer(), {"run": "t"})
+    modes = {p.name: stat.S_IMODE(os.stat(p).st_mode) for p in (tmp_path / "hf").iterdir()}
+    assert "model.safetensors" in modes and set(modes.values()) == {0o666 & ~umask()}, modes
+
+
 def test_a_bpe_tokenizer_travels_into_the_folder(tmp_path):
     transformers = pytest.importorskip("transformers", reason=HF_REASON)
     texts = [f"def f{i}(x):\n    return x * {i} + {i % 7}\n" for i in range(300)]

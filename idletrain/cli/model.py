@@ -10,6 +10,7 @@ from pathlib import Path
 
 from idletrain.cli.client import OperatorClient
 from idletrain.cli.common import DEFAULT_COORDINATOR, fail
+from shared.files import readable
 
 def _fetch_model(args: argparse.Namespace, version: str):
     """(params, metadata, ModelConfig) of a run's snapshot, checked like a worker checks it."""
@@ -60,6 +61,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     metadata["format"] = "idletrain model; shared.model.build_model(ModelConfig.from_dict(model))"
     out.parent.mkdir(parents=True, exist_ok=True)
     safetensors.torch.save_file({n: t.contiguous() for n, t in params.items()}, str(out), metadata=metadata)
+    readable(out)  # save_file makes it 0600
     print(f"wrote {out}: run {args.run} version {meta['version']}, {n:,} parameters")
     return 0
 

@@ -273,3 +273,17 @@ def test_the_cli(tmp_path, capsys):
     assert main(["data", "prepare", str(tmp_path / "missing"), "--out", str(tmp_path / "o2")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("idletrain: ") and "does not exist" in err and "Traceback" not in err
+
+
+def test_every_file_of_a_prepared_folder_has_the_same_mode(tmp_path):
+    """manifest.json was written 0600 (a temp file renamed) beside 0644 shards and tokenizer: another
+    user of a shared folder (the coordinator's service account) could not read it."""
+    import os
+    import stat
+
+    from shared.files import umask
+
+    (tmp_path / "c.txt").write_text(_text(800), encoding="utf-8")
+    prepare(tmp_path / "c.txt", tmp_path / "out", tokenizer="bytes", shard_tokens=10_000, eval_fraction=0.1)
+    modes = {p.name: stat.S_IMODE(os.stat(p).st_mode) for p in (tmp_path / "out").iterdir() if p.is_file()}
+    assert "manifest.json" in modes and set(modes.values()) == {0o666 & ~umask()}, modes
