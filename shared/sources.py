@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Literal
 
@@ -138,12 +138,17 @@ def text_pieces(path: Path, opts: Options) -> Iterator[Piece]:
         raise SourceError(f"{path} is empty: remove it from the corpus, or pass --skip-empty")
 
 
-def _text_of(value, where: str, opts: Options) -> str | None:
-    """A record's text field: a non-empty string (None: skip it)."""
-    if not isinstance(value, str):
-        kind = "missing" if value is None else f"a {type(value).__name__}, not a string"
-        raise SourceError(f"{where}: the field {opts.text_field!r} is {kind}: name the text field with "
+def _text_of(value, where: str, opts: Options, fields: Iterable[str] | None = None) -> str | None:
+    """A record's text field: a non-empty string (None: skip it). `fields`: the record's field names,
+    when the field is missing from it (named in the error)."""
+    if fields is not None:
+        names = ", ".join(repr(f) for f in list(fields)[:8]) or "none"
+        raise SourceError(f"{where}: no field {opts.text_field!r} (its fields: {names}): name the text field with "
                           "--text-field")
+    if not isinstance(value, str):
+        kind = "null" if value is None else f"a {type(value).__name__}"
+        raise SourceError(f"{where}: the field {opts.text_field!r} is {kind}, not a string: name the text field "
+                          "with --text-field, or remove the record")
     if not value:
         if opts.skip_empty:
             return None
@@ -189,7 +194,7 @@ def _read_line(f, limit: int) -> bytes | bytearray | None:
 
 def jsonl_pieces(path: Path, opts: Options) -> Iterator[Piece]:
     """One document per line: the line's JSON object's text field."""
-    offset, number = 0, 0
+    offset, number, records = 0, 0, 0
     with _open(path) as f:
         while (raw := _read_line(f, opts.max_record_bytes)) != b"":
             number += 1
@@ -202,17 +207,22 @@ def jsonl_pieces(path: Path, opts: Options) -> Iterator[Piece]:
                 continue
             try:
                 record = json.loads(line)
-            except ValueError as exc:
-                raise SourceError(f"{path}, line {number}: not JSON ({exc}): each line of a .jsonl file must be "
-                                  "one JSON object") from None
+            except json.JSONDecodeError as exc:  # its own "line 1 column 9" would name another line
+                raise SourceError(f"{path}, line {number}: not JSON ({exc.msg} at character {exc.pos + 1} of the "
+                                  "line; a record cut short, or two on one line?): each line of a .jsonl file must "
+                                  "be one JSON object") from None
             del line
             if not isinstance(record, dict):
                 raise SourceError(f"{path}, line {number}: a JSON {type(record).__name__}, not an object with a "
                                   f"{opts.text_field!r} field")
-            text = _text_of(record.get(opts.text_field), f"{path}, line {number}", opts)
+            missing = None if opts.text_field in record else record.keys()
+            text = _text_of(record.get(opts.text_field), f"{path}, line {number}", opts, missing)
             del record
+            records += 1
             if text is not None:
                 yield from _split(text)
+    if not records and not opts.skip_empty:
+        raise SourceError(f"{path} is empty (no JSON record in it): remove it from the corpus, or pass --skip-empty")
 
 
 def _split(text: str) -> Iterator[Piece]:

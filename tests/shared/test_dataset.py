@@ -194,8 +194,16 @@ def test_bad_inputs_name_the_file_and_what_to_do(tmp_path):
     js = tmp_path / "d.jsonl"
     js.write_text('{"text": "a"}\n{"text": "b"}\nnot json\n')
     _fails(tmp_path, js, r"d.jsonl, line 3: not JSON")
-    js.write_text('{"text": "a"}\n{"body": "b"}\n')
-    _fails(tmp_path, js, r"d.jsonl, line 2: the field 'text' is missing: name the text field with --text-field")
+    js.write_text('{"text": "a"}\n{"text": "b", "id": 1\n')  # cut short: its fault, on the file's line 2
+    _fails(tmp_path, js, r"d.jsonl, line 2: not JSON \(Expecting ',' delimiter at character 23 of the line; a record "
+                         r"cut short")
+    js.write_text('{"text": "a"}\n{"body": "b", "id": 2}\n')
+    _fails(tmp_path, js, r"d.jsonl, line 2: no field 'text' \(its fields: 'body', 'id'\): name the text field with "
+                         r"--text-field")
+    js.write_text('{"text": "a"}\n{"text": null}\n')
+    _fails(tmp_path, js, r"d.jsonl, line 2: the field 'text' is null, not a string")
+    js.write_text("")  # as an empty .txt says it
+    _fails(tmp_path, js, r"d.jsonl is empty \(no JSON record in it\): remove it from the corpus, or pass --skip-empty")
     js.write_text('{"text": "a"}\n{"text": ""}\n')
     _fails(tmp_path, js, r"d.jsonl, line 2: the field 'text' is empty: .*--skip-empty")
     js.write_text('["text"]\n')
