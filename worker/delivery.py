@@ -196,7 +196,8 @@ def log_round(lease: protocol.Lease, result: RoundResult, ack: protocol.DeltaAcc
                      f"{result.exchange_bytes_down / 1024:.1f} KB down, {result.exchanges_failed} failed, "
                      f"{result.exchanges_skipped} skipped)")
     resumed = f" (resumed at step {result.resumed_at})" if result.resumed_at else ""
-    log.info("lease %d: shard %d from v%d, %d steps%s, loss %.3f -> %.3f, %.0f tok/s, sent %.1f KB -> v%d%s",
+    log.info("lease %d: shard %d from v%d, %d steps%s, local training loss %.3f -> %.3f (on its batches; the "
+             "coordinator's eval loss is on held-out text), %.0f tok/s, sent %.1f KB -> v%d%s",
              lease.lease_id, lease.shard_id, lease.base_version, len(result.losses), resumed, result.losses[0],
              result.losses[-1], result.tokens / max(result.seconds, 1e-9), len(result.body) / 1024,
              ack.will_merge_into, exchanged)

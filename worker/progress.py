@@ -181,7 +181,7 @@ def describe(s: WorkerStatus) -> str:
     if s.lease is not None:
         parts.append(f"lease {s.lease} step {s.step}/{s.steps}")
         if s.loss is not None:
-            parts.append(f"loss {s.loss:.3f}")
+            parts.append(f"local loss {s.loss:.3f}")
     if s.tokens_per_s:
         parts.append(f"{s.tokens_per_s:,.0f} tok/s")
     parts.append(f"sent {_mb(s.bytes_sent)}, received {_mb(s.bytes_received)}")
@@ -290,7 +290,7 @@ class RichDisplay:
             grid.add_row(Text("round"), bar)
         numbers = []
         if s.loss is not None:
-            numbers.append(f"loss {s.loss:.3f}")
+            numbers.append(f"local loss {s.loss:.3f}")
         if s.tokens_per_s:
             numbers.append(f"{s.tokens_per_s:,.0f} tok/s")
         if s.next_sync_in_s is not None and s.state == "training":

@@ -69,11 +69,11 @@ def status(**over) -> WorkerStatus:
 
 def test_describe_is_one_line_with_the_numbers():
     line = describe(status())
-    assert line == ("training | lease 7 step 40/100 | loss 2.314 | 1,234 tok/s | sent 1.2 MB, received 33.0 MB | "
+    assert line == ("training | lease 7 step 40/100 | local loss 2.314 | 1,234 tok/s | sent 1.2 MB, received 33.0 MB | "
                     "today 34.2 MB of 100.0 MB | next sync in ~2.5 min")
     paused = describe(status(state="paused", reason="on battery power", tokens_per_s=None, next_sync_in_s=None,
                              transfer_cap_bytes=None))
-    assert paused == "paused: on battery power | lease 7 step 40/100 | loss 2.314 | sent 1.2 MB, received 33.0 MB"
+    assert paused == "paused: on battery power | lease 7 step 40/100 | local loss 2.314 | sent 1.2 MB, received 33.0 MB"
 
 
 def test_plain_lines_at_changes_and_every_so_often(caplog):
@@ -121,7 +121,7 @@ def test_the_rich_panel_shows_the_round_and_the_pause():
     console.print(RichDisplay.render(status()))
     console.print(RichDisplay.render(status(state="paused", reason="on battery power")))
     text = out.getvalue()
-    for word in ("run t", "lease 7", "step 40/100", "loss 2.314", "1,234 tok/s", "next sync in ~2.5 min",
+    for word in ("run t", "lease 7", "step 40/100", "local loss 2.314", "1,234 tok/s", "next sync in ~2.5 min",
                  "sent 1.2 MB", "today 34.2 MB of 100.0 MB", "paused", "on battery power"):
         assert word in text
 
