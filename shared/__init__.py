@@ -11,6 +11,7 @@ installed, pyarrow for .parquet input, and the standard library only).
     dataset.py    prepared datasets: prepare (stream -> token shard files + manifest), read, verify
     config.py     RunConfig and its parts (InnerConfig, CompressionConfig, OuterConfig)
     protocol.py   the JSON contract of /api/v1 and its version
+    reports.py    what the coordinator reports of its runs: status, summaries, dashboard, /metrics
     codec/        the delta wire format (versioned envelope, index and value codecs)
     snapshot.py   model snapshots: zstd(safetensors), checked on load
     optim_state.py an optimizer's state by parameter name (the worker's checkpoints, the start states)
