@@ -191,6 +191,15 @@ class LeaseRenewed(_Body):
     deadline: datetime = Field(description="the lease's new deadline (now + the run's lease_ttl_s)")
 
 
+class LeaseStanding(_Body):
+    """GET /leases/{id}: whether a lease still stands (a worker resuming a saved round asks first)."""
+
+    lease_id: int = Field(ge=1, le=MAX_ID)
+    state: Literal["active", "expired", "delivered", "abandoned"]
+    deliverable: bool = Field(description="whether its delta would be taken now")
+    reason: str = Field(max_length=1000, description="the state in words")
+
+
 class DeltaAccepted(_Body):
     lease_id: int = Field(ge=1, le=MAX_ID)
     delta_id: int = Field(ge=1, le=MAX_ID)
@@ -205,6 +214,6 @@ __all__ = [
     "API_PREFIX", "API_VERSION", "DeltaAccepted", "EvalPoint", "H_API_VERSION", "H_BASE_VERSION", "H_MAX_BODY",
     "H_UPDATE_FEEDBACK", "H_EXCHANGES_APPLIED", "H_SHA256", "H_START_STATE", "H_START_STATE_BYTES", "H_VERSION",
     "MIN_API_VERSION", "lease_api_version", "lease_compression",
-    "Health", "Lease", "RegisterRequest", "RegisterResponse", "RunConfig", "RunCreated", "RunStatus", "RunSummary",
+    "Health", "Lease", "LeaseStanding", "RegisterRequest", "RegisterResponse", "RunConfig", "RunCreated", "RunStatus", "RunSummary",
     "WorkerInfo", "LeaseRenewed", "Dashboard", "LeaderboardEntry", "LiveWorker", "RunMetrics", "TeamEntry",
 ]

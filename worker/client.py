@@ -331,6 +331,16 @@ class CoordinatorClient:
         resp = self._request("POST", f"{protocol.API_PREFIX}/leases/{lease_id}/renew", params={"step": step})
         return protocol.LeaseRenewed.model_validate(resp.json())
 
+    def lease_standing(self, lease_id: int) -> protocol.LeaseStanding | None:
+        """Whether a lease still stands (GET); None from a coordinator that cannot say (before 2026-12: 404/405)."""
+        try:
+            resp = self._request("GET", f"{protocol.API_PREFIX}/leases/{lease_id}", max_retries=1)
+        except CoordinatorError as exc:
+            if exc.status in (404, 405):
+                return None
+            raise
+        return _parse(protocol.LeaseStanding, resp, "lease standing")
+
     def release(self, lease_id: int) -> None:
         """Give a lease up before training it (DELETE; coordinators before 2026-12 answer 405)."""
         self._request("DELETE", f"{protocol.API_PREFIX}/leases/{lease_id}", max_retries=1)

@@ -58,7 +58,7 @@ class Recovery:
     def recover(self) -> RoundState | None:
         """Before asking for a lease (which gives up the previous one): settle the upload in flight,
         deliver the deltas saved before a restart or an outage. Returns the round that was
-        interrupted, to be finished next (None: none)."""
+        interrupted, to be finished next (None: none, or its lease no longer takes a delta)."""
         self.saver.join()
         saved = self.store.load()
         rnd = saved.round if saved is not None else None
@@ -82,4 +82,17 @@ class Recovery:
                 self.delivery.acked(lease, ack)
                 log.info("lease %d: delivered -> v%d%s", lease.lease_id, ack.will_merge_into,
                          " (it had arrived before)" if ack.duplicate else "")
+        if rnd is not None and not self.still_stands(rnd):
+            self.saver.save_trainer()  # what the trainer learnt stays; the round goes
+            return None
         return rnd
+
+    def still_stands(self, rnd: RoundState) -> bool:
+        """Ask the coordinator whether the interrupted round's lease still takes a delta before training
+        on (a coordinator that cannot say: assume it does, the upload will tell)."""
+        standing = self.delivery.client.lease_standing(rnd.lease.lease_id)
+        if standing is None or standing.deliverable:
+            return True
+        log.info("lease %d: %s; its round saved at step %d/%d is dropped, and this worker takes a new lease",
+                 rnd.lease.lease_id, standing.reason, rnd.step, rnd.lease.inner.steps)
+        return False

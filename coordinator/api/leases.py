@@ -40,6 +40,13 @@ async def renew_lease(lease_id: RowId, coord: CoordinatorDep, worker: CurrentWor
     return await run_in_threadpool(coord.leases.renew, lease_id, worker, step=step)
 
 
+@router.get("/leases/{lease_id}", response_model=protocol.LeaseStanding)
+async def lease_standing(lease_id: RowId, coord: CoordinatorDep, worker: CurrentWorker) -> protocol.LeaseStanding:
+    """Whether a lease of this worker still stands: a worker resuming a saved round asks before it
+    trains on (403 for another worker's lease, 404 for none)."""
+    return await run_in_threadpool(coord.leases.standing, lease_id, worker)
+
+
 @router.delete("/leases/{lease_id}", status_code=204, response_class=Response)
 async def release_lease(lease_id: RowId, coord: CoordinatorDep, worker: CurrentWorker) -> Response:
     """Give a live lease up before training it (a worker stopping): its shard is free again at once."""

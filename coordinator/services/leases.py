@@ -15,6 +15,7 @@ from coordinator.db import Database
 from coordinator.errors import (Conflict, Forbidden, Gone, TooManyRequests, Unprocessable, UpgradeRequired,
                                 worker_install)
 from coordinator.models import utcnow
+from coordinator.queries import deltas as delta_rows
 from coordinator.queries import leases as lease_rows
 from coordinator.queries import runs as run_rows
 from coordinator.queries import teams as team_rows
@@ -254,6 +255,29 @@ class LeaseService:
         if step <= lease.progress_step:
             raise Conflict(f"lease {lease.id}: no progress since its last renewal (step {step}; that one "
                            f"reported step {lease.progress_step}); a lease is renewed only while its round moves")
+
+    def standing(self, lease_id: int, worker: Caller, *, now: datetime | None = None) -> protocol.LeaseStanding:
+        """Whether the worker's lease still stands: a delta of it is taken while it is live, and after
+        its deadline while its shard was not leased again (UploadService.ack's rule)."""
+        rate_limit(self.limiter, "lease", worker)
+        now = now or utcnow()
+        with self.db.read() as c:
+            lease = owned(lease_rows.by_id(c, lease_id), lease_id, worker)
+            expired = lease.state == "expired" or (lease.state == "active"
+                                                   and scheduler.is_expired(aware(lease.deadline), now))
+            reissued = expired and delta_rows.shard_reissued(c, lease.shard_id, lease_id)
+        if lease.state in ("delivered", "abandoned"):
+            state, ok = lease.state, False
+            why = ("its delta was delivered" if state == "delivered"
+                   else "it was given up when this worker took a newer lease")
+        elif expired:
+            state, ok = "expired", not reissued
+            why = (f"it expired at {aware(lease.deadline):%H:%M:%S} UTC and "
+                   + ("its shard was leased to another worker since" if reissued
+                      else "its shard was not leased again yet: a delta of it is still taken"))
+        else:
+            state, ok, why = "active", True, f"it is live until {aware(lease.deadline):%H:%M:%S} UTC"
+        return protocol.LeaseStanding(lease_id=lease_id, state=state, deliverable=ok, reason=why)
 
     def release(self, lease_id: int, worker: Caller) -> None:
         """The worker gives a live lease up (it stops before training it): its shard goes back to the

@@ -480,3 +480,33 @@ def test_a_banned_worker_s_leases_go_back_to_the_queue(api, run):
 def lease_run_id(api, lease_id: int) -> int:
     with api.db() as s:
         return s.get(Lease, lease_id).run_id
+
+
+def test_a_worker_asks_whether_its_lease_still_stands(api, run, make_delta):
+    """GET /leases/{id} (a worker resuming a saved round asks before training on): live; expired but
+    still taken while its shard is not leased again; expired and leased again; given up; delivered.
+    Another worker's lease is 403, none is 404."""
+    a, b = api.register(), api.register()
+    first = api.lease(a)
+
+    def standing(lease_id: int, who: dict = a) -> dict:
+        resp = api.client.get(f"{API}/leases/{lease_id}", headers=who)
+        assert resp.status_code == 200, resp.text
+        return resp.json()
+
+    assert standing(first.lease_id) | {"reason": ""} == {"lease_id": first.lease_id, "state": "active",
+                                                          "deliverable": True, "reason": ""}
+    assert api.client.get(f"{API}/leases/{first.lease_id}", headers=b).status_code == 403
+    assert api.client.get(f"{API}/leases/{first.lease_id + 99}", headers=a).status_code == 404
+    api.coordinator.leases.expire(now=utcnow() + LATER)
+    got = standing(first.lease_id)
+    assert (got["state"], got["deliverable"]) == ("expired", True) and "not leased again yet" in got["reason"]
+    again = api.lease(b)
+    assert again.shard_id == first.shard_id
+    got = standing(first.lease_id)
+    assert (got["state"], got["deliverable"]) == ("expired", False) and "leased to another worker" in got["reason"]
+    second = api.lease(a)
+    third = api.lease(a)  # gives the second up
+    assert (standing(second.lease_id)["state"], standing(second.lease_id)["deliverable"]) == ("abandoned", False)
+    api.accept(third.lease_id, make_delta(third), a)
+    assert (standing(third.lease_id)["state"], standing(third.lease_id)["deliverable"]) == ("delivered", False)

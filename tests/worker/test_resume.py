@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import logging
 import re
+from datetime import timedelta
 
 import httpx
 import pytest
+from sqlalchemy import update
 
+from coordinator.models import Lease, utcnow
 from shared import codec, protocol
 from tests.conftest import schema_of
 from worker import client as client_mod
@@ -199,11 +202,44 @@ def test_a_resumed_lease_the_coordinator_gave_away_is_dropped(api, long_run, tmp
     w2, t2 = make_worker(api, tmp_path, every=0)
     with caplog.at_level(logging.INFO, logger="worker"):
         assert w2.run() == 1
-    assert f"resuming lease {old} at step 4/{STEPS}" in caplog.text
-    assert f"lease {old}: delta refused (HTTP 410" in caplog.text
+    # asked before training on: not resumed, not trained, not sent (it once trained on, then got 410)
+    assert (f"lease {old}: it was given up when this worker took a newer lease; its round saved at step "
+            f"4/{STEPS} is dropped, and this worker takes a new lease") in caplog.text
+    assert f"resuming lease {old}" not in caplog.text
     uploads = delta_uploads(t2)
-    assert uploads[0] == old and len(uploads) == 2 and uploads[1] != old  # then a new lease, delivered
+    assert len(uploads) == 1 and uploads[0] != old  # a new lease, delivered
     assert api.status()["pending_deltas"] == 1
+
+
+@pytest.mark.parametrize("leased_again", [True, False])
+def test_a_resumed_lease_that_expired_meanwhile_is_asked_about_first(api, long_run, tmp_path, caplog, leased_again):
+    """The worker was down past its lease's deadline. If the shard went to another worker meanwhile,
+    the saved round is dropped before any step (it once trained 75 steps more, then got 410); if not,
+    its delta is still taken, so it resumes."""
+    w1, _ = make_worker(api, tmp_path, every=4)
+    kill_at_step(w1, 4)
+    with pytest.raises(Killed):
+        w1.run()
+    old = StateStore(tmp_path / "worker", URL, "t").load().round.lease.lease_id
+    with api.db() as s:
+        s.execute(update(Lease).where(Lease.id == old).values(deadline=utcnow() - timedelta(seconds=5)))
+        s.commit()
+    api.coordinator.leases.expire()
+    if leased_again:
+        api.lease(api.register(name="other"))  # the shard of the expired lease: the least trained
+        with api.db() as s:
+            assert s.get(Lease, old).shard_id in {row.shard_id for row in s.query(Lease).filter(Lease.id != old)}
+    w2, t2 = make_worker(api, tmp_path, every=0)
+    with caplog.at_level(logging.INFO, logger="worker"):
+        assert w2.run() == 1
+    uploads = delta_uploads(t2)
+    if leased_again:
+        assert f"lease {old}: it expired at " in caplog.text and "its shard was leased to another worker since; " \
+            f"its round saved at step 4/{STEPS} is dropped" in caplog.text
+        assert old not in uploads and len(uploads) == 1
+    else:
+        assert f"resuming lease {old} at step 4/{STEPS}" in caplog.text
+        assert uploads == [old] and api.status()["pending_deltas"] == 1
 
 
 def test_corrupt_local_state_is_ignored(api, run, tmp_path, caplog):
