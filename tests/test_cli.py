@@ -154,6 +154,34 @@ def test_run_create_posts_the_config_and_reports_refusals(monkeypatch, capsys):
     assert sent["json"]["inner"]["steps"] == 7 and sent["json"]["outer"]["group"] == 3
 
 
+def test_run_create_says_what_it_waits_for_and_that_it_still_does(monkeypatch, capsys):
+    """Creating a `small` run took 2 min 17 s in silence (its reference round): it says what it does,
+    that it is still at it while the coordinator works, and how long it took."""
+    import threading
+
+    from idletrain.cli import common
+
+    ticked = threading.Event()
+    real_print = print
+
+    def fake_post(url, json, headers, timeout):
+        assert ticked.wait(30), "no 'still at it' line while the coordinator worked"
+        return httpx.Response(201, json={"name": "myrun", "n_shards": 3})
+
+    def spy_print(*a, **kw):
+        real_print(*a, **kw)
+        if a and "still at it" in str(a[0]):
+            ticked.set()
+
+    monkeypatch.setattr(httpx, "post", fake_post)
+    monkeypatch.setattr(common, "TICK_S", 0.01)
+    monkeypatch.setattr("builtins.print", spy_print)
+    assert cli.main(["run", "create", "myrun", "--coordinator", "http://127.0.0.1:9", "--admin-token", "s" * 16]) == 0
+    err = capsys.readouterr().err
+    assert "creating run 'myrun': the coordinator shards its data and trains one reference round of its" in err
+    assert "-parameter model" in err and "... still at it (" in err and err.count("  (") >= 1
+
+
 @pytest.mark.parametrize("args, says, steps", [
     (["--schedule-tokens", str(600 * 4 * 16 * 128)], "long-run defaults (600 local steps a worker planned", 19),
     (["--schedule-tokens", str(599 * 4 * 16 * 128)], "short-run defaults: 599 local steps a worker planned", 100),

@@ -62,3 +62,21 @@ def test_readme_test_command_is_what_ci_runs():
 def test_slug_matches_github():
     assert slug("Goal, and what bounds it") == "goal-and-what-bounds-it"
     assert slug("Worker (volunteers)") == "worker-volunteers"
+
+
+def test_real_models_table_gives_each_presets_parameters_by_vocab():
+    """docs/real-models.md's table of parameters by preset and vocab is the code's count (issue 36:
+    the docs said 672,640 for llama-tiny, which --vocab-size 8192 makes 1,688,448)."""
+    import re
+
+    from shared.model import PRESETS, ModelConfig
+
+    text = (REPO / "docs" / "real-models.md").read_text()
+    header = re.search(r"^\| preset \| parameters at vocab 256 \(bytes\) \|(.*)\|$", text, re.M)
+    assert header, "the table by vocab is gone"
+    vocabs = [256] + [int(v.strip().replace(",", "")) for v in header.group(1).split("|")]
+    rows = {m.group(1): [int(x.strip().replace(",", "")) for x in m.group(2).split("|")]
+            for m in re.finditer(r"^\| `([a-z0-9-]+)` \| ([0-9, |]+)\|$", text, re.M)}
+    assert set(rows) == set(PRESETS)
+    for name, counts in rows.items():
+        assert counts == [ModelConfig.from_dict({"preset": name, "vocab_size": v}).n_params() for v in vocabs], name

@@ -3,8 +3,12 @@ set-up, the check that the server extra is installed, and the help texts of the 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
+import threading
+import time
+from collections.abc import Iterator
 
 from pydantic import ValidationError
 
@@ -48,3 +52,28 @@ def without_server(command: str) -> int | None:
 def describe_validation(exc: ValidationError) -> str:
     """A pydantic error as one line: `field.path: message; ...`."""
     return "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+
+
+TICK_S = 15.0  # a long wait says it is still waiting this often
+
+
+@contextlib.contextmanager
+def ticking(doing: str, *, every_s: float | None = None) -> Iterator[None]:
+    """Say on stderr what a long call does, that it still does it every `every_s` seconds, and how
+    long it took: a command that waits minutes in silence looks hung."""
+    every_s = TICK_S if every_s is None else every_s
+    print(f"{doing} ...", file=sys.stderr, flush=True)
+    t0, stop = time.monotonic(), threading.Event()
+
+    def tick() -> None:
+        while not stop.wait(every_s):
+            print(f"  ... still at it ({time.monotonic() - t0:.0f} s)", file=sys.stderr, flush=True)
+
+    ticker = threading.Thread(target=tick, name="idletrain-ticking", daemon=True)
+    ticker.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        ticker.join()
+        print(f"  ({time.monotonic() - t0:.1f} s)", file=sys.stderr, flush=True)

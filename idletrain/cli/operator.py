@@ -14,7 +14,8 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from idletrain.cli.client import OperatorClient
-from idletrain.cli.common import ADMIN_TOKEN_HELP, DATA_DIR_HELP, DEFAULT_COORDINATOR, describe_validation, fail
+from idletrain.cli.common import (ADMIN_TOKEN_HELP, DATA_DIR_HELP, DEFAULT_COORDINATOR, describe_validation, fail,
+                                  ticking)
 from idletrain.cli.lifecycle import describe, token_count
 from shared import protocol
 from shared.algorithms.registry import NAMES
@@ -132,7 +133,9 @@ def cmd_run_create(args: argparse.Namespace) -> int:
         return fail(f"bad run config: {describe_validation(exc)}")
     except ValueError as exc:
         return fail(str(exc))
-    rc, created = OperatorClient(args).create_run(json.loads(cfg.model_dump_json()))
+    with ticking(f"creating run {cfg.name!r}: the coordinator shards its data and trains one reference round "
+                 f"of its {cfg.model.n_params():,}-parameter model (minutes for tens of millions on a few CPU cores)"):
+        rc, created = OperatorClient(args).create_run(json.loads(cfg.model_dump_json()))
     if rc:
         return rc
     print(json.dumps(created, indent=2))
