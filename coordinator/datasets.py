@@ -34,6 +34,7 @@ class RunTokens:
     tokenizer: Tokenizer
     tokens: TokensConfig
     store: Callable[[Storage, int], list[dict]]  # (storage, run_id) -> the shard rows
+    unused_tokens: int = 0  # the ragged tail past the last whole shard: in no shard
 
 
 def _write(storage: Storage, run_id: int, index: int, ids: np.ndarray, cctx: zstandard.ZstdCompressor) -> dict:
@@ -55,9 +56,10 @@ def from_corpus(cfg: RunConfig, source: str) -> RunTokens:
         cctx = zstandard.ZstdCompressor(level=3)
         return [_write(storage, run_id, i, ids, cctx) for i, ids in enumerate(shards)]
 
-    return RunTokens(n_shards=len(shards), train_tokens=int(sum(x.size for x in shards)), eval=corpus.eval,
+    train_tokens = int(sum(x.size for x in shards))
+    return RunTokens(n_shards=len(shards), train_tokens=train_tokens, eval=corpus.eval,
                      tokenizer=tok, tokens=TokensConfig(tokenizer="bytes", tokenizer_sha256=tok.sha256, dtype="uint8"),
-                     store=store)
+                     store=store, unused_tokens=int(corpus.train.size) - train_tokens)
 
 
 def pieces(folder: Path, manifest: Manifest, size: int) -> Iterator[np.ndarray]:
@@ -110,4 +112,4 @@ def from_prepared(cfg: RunConfig, folder: str) -> RunTokens:
 
     tokens = TokensConfig(tokenizer=manifest.tokenizer.kind, tokenizer_sha256=tok.sha256, dtype=manifest.dtype)
     return RunTokens(n_shards=n, train_tokens=n * cfg.shard_tokens, eval=held_out, tokenizer=tok, tokens=tokens,
-                     store=store)
+                     store=store, unused_tokens=manifest.train_tokens - n * cfg.shard_tokens)

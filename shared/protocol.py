@@ -116,6 +116,7 @@ class RunCreated(_Body):
     n_params: int
     train_tokens: int
     eval_tokens: int
+    unused_tokens: int = Field(0, description="training tokens past the last whole shard: in no shard")
 
 
 class Lease(_Body):

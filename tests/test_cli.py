@@ -182,6 +182,17 @@ def test_run_create_says_what_it_waits_for_and_that_it_still_does(monkeypatch, c
     assert "-parameter model" in err and "... still at it (" in err and err.count("  (") >= 1
 
 
+def test_run_create_says_how_much_of_the_data_is_in_no_shard(monkeypatch, capsys):
+    """4.4% of a prepared corpus went unused (the tail past 12 shards) and nothing said so."""
+    created = {"name": "m", "n_shards": 12, "n_params": 1, "train_tokens": 12 * 262_144, "eval_tokens": 10,
+               "unused_tokens": 145_798}
+    monkeypatch.setattr(httpx, "post", lambda url, json, headers, timeout: httpx.Response(201, json=created))
+    assert cli.main(["run", "create", "m", "--coordinator", "http://127.0.0.1:9", "--admin-token", "s" * 16]) == 0
+    err = capsys.readouterr().err
+    assert "145,798 of the data's 3,291,526 training tokens (4.4%) are in no shard: the tail past 12 shards of" in err
+    assert "--shard-tokens 253,194 would cut 13 shards and leave 4 out" in err
+
+
 @pytest.mark.parametrize("args, says, steps", [
     (["--schedule-tokens", str(600 * 4 * 16 * 128)], "long-run defaults (600 local steps a worker planned", 19),
     (["--schedule-tokens", str(599 * 4 * 16 * 128)], "short-run defaults: 599 local steps a worker planned", 100),

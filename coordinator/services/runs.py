@@ -77,7 +77,8 @@ class RunService:
         log.info("run %s created: %d shards (%s tokenizer), %d params, eval loss %.3f", cfg.name, data.n_shards,
                  data.tokens.tokenizer, n_params, loss)
         return protocol.RunCreated(name=cfg.name, n_shards=data.n_shards, n_params=n_params,
-                                   train_tokens=data.train_tokens, eval_tokens=int(data.eval.size))
+                                   train_tokens=data.train_tokens, eval_tokens=int(data.eval.size),
+                                   unused_tokens=data.unused_tokens)
 
     def list(self, state: str | None = None) -> list[protocol.RunSummary]:
         """Every run (or those in `state`): active ones by priority, highest first, then by id."""

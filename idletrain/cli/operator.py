@@ -139,11 +139,24 @@ def cmd_run_create(args: argparse.Namespace) -> int:
     if rc:
         return rc
     print(json.dumps(created, indent=2))
+    if unused := unused_note(created, cfg.shard_tokens):
+        print(unused, file=sys.stderr)
     note = regime_note(data, cfg)
     if note:
         print(note, file=sys.stderr)
     print(worker_needs(cfg), file=sys.stderr)
     return 0
+
+
+def unused_note(created: dict, shard_tokens: int) -> str | None:
+    """What run create says when the data's tail past its last whole shard is in no shard."""
+    unused, n = created.get("unused_tokens", 0), created["n_shards"]
+    if not unused:
+        return None
+    total = created["train_tokens"] + unused
+    return (f"{unused:,} of the data's {total:,} training tokens ({unused / total:.1%}) are in no shard: the tail "
+            f"past {n} shards of {shard_tokens:,}. --shard-tokens {total // (n + 1):,} would cut {n + 1} shards and "
+            f"leave {total - (n + 1) * (total // (n + 1)):,} out")
 
 
 def worker_needs(cfg: RunConfig) -> str:

@@ -65,6 +65,10 @@ def test_create_run_then_duplicate_name_conflicts(api, run_config):
     assert created["n_params"] == count_params(model)
     assert created["train_tokens"] == 4 * 8192
     assert created["eval_tokens"] > 0
+    from shared.data import load_corpus
+
+    corpus = load_corpus(cfg["corpus"], max_bytes=cfg["corpus_max_bytes"])
+    assert created["unused_tokens"] == corpus.train.size - 4 * 8192  # the tail past the last whole shard
 
     resp = api.client.post(f"{API}/runs", json=run_config(inner={"steps": 7}), headers=api.admin)
     assert resp.status_code == 409

@@ -78,6 +78,7 @@ def test_a_run_on_prepared_data_serves_its_shards(data_api, data_root, name, dty
     created = data_api.create_run(_config(folder, m.tokenizer.vocab_size))
     expected = cut_shards(_train_ids(folder), 1024, shuffle_seed=7)  # the whole read at once: the reference
     assert (created["n_shards"], created["train_tokens"]) == (len(expected), 1024 * len(expected))
+    assert created["unused_tokens"] == m.train_tokens - 1024 * len(expected) > 0  # said, not silently dropped
     assert created["eval_tokens"] == m.eval.n_tokens
     headers = data_api.register()
     lease = data_api.lease(headers)
