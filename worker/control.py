@@ -82,7 +82,8 @@ class ControlFile:
 
 
 class StopFlag:
-    """Set by the first SIGINT/SIGTERM; the second one interrupts at once."""
+    """Set by the first SIGINT/SIGTERM: the round in flight is saved after the step it is in and the
+    worker exits (governor.hold); the second one interrupts at once."""
 
     def __init__(self) -> None:
         self.event = threading.Event()
@@ -90,8 +91,11 @@ class StopFlag:
     def install(self) -> None:
         def handler(signum, _frame):
             if self.event.is_set():
+                log.warning("quitting now; a round in flight resumes from its last checkpoint at the next start")
                 raise KeyboardInterrupt
-            log.warning("stopping after the current lease (press Ctrl-C again to quit now)")
+            log.warning("stopping: the round in flight is saved when its current step ends, what is uploading "
+                        "is finished, then the worker exits; it resumes there at the next start (press Ctrl-C "
+                        "again to quit now)")
             self.event.set()
 
         signal.signal(signal.SIGINT, handler)

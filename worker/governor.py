@@ -142,7 +142,12 @@ class Governor:
 
     def hold(self, lease: protocol.Lease, step: int, save: Callable[[], None], stop: threading.Event) -> bool:
         """The trainer's gate after local step `step`: True to go on (at once, or after a pause), False
-        to let the round go (paused past the hold limit, or stopped while paused)."""
+        to let the round go (stopped: saved first; paused past the hold limit, or stopped while paused)."""
+        if stop.is_set():  # Ctrl-C (or SIGTERM): the round waits on disk, from this step
+            save()
+            log.info("lease %d: stopped after step %d/%d (saved: the round resumes there at the next start, "
+                     "while its lease still stands)", lease.lease_id, step, lease.inner.steps)
+            return False
         verdict = self.check(in_round=True)
         if verdict.train:
             return True

@@ -10,7 +10,7 @@
     ledger.py     this worker's own deltas that a new lease's base does not hold yet
     recovery.py   after a restart or an outage: unsent deltas first, then the interrupted round
 
-Ctrl-C once: finish the current lease, deliver it, exit. Twice: exit at once (control.StopFlag).
+Ctrl-C once: save the round after its current step, settle the upload, exit. Twice: at once (control.StopFlag).
 A coordinator that is down or restarting is waited for, with backoff and jitter, at start and
 between rounds; what was trained meanwhile waits on disk and is delivered first (recovery.py).
 A refusal only someone's action mends is said once and waited out (connection.py); a finished run stops it.
@@ -114,8 +114,7 @@ class Worker:
                                  on_resume=self.progress.restart_clock)
 
     @property
-    def rounds(self) -> int:
-        """Rounds delivered (acknowledged) by this process."""
+    def rounds(self) -> int:  # delivered (acknowledged) by this process
         return self.delivery.rounds
 
     @property
@@ -184,8 +183,9 @@ class Worker:
                     on_start=lambda blob: self.delivery.starts.keep(lease.lease_id, blob),
                     gate=lambda step, save: self.governor.hold(lease, step, save, self.stop.event))
         except RoundSuspended as exc:
-            log.info("lease %d: round set aside at step %d/%d (saved; it resumes when training may go on)",
-                     lease.lease_id, exc.step, lease.inner.steps)
+            if not self.stop.event.is_set():  # (stopping: the governor said so)
+                log.info("lease %d: round set aside at step %d/%d (saved; it resumes when training may go on)",
+                         lease.lease_id, exc.step, lease.inner.steps)
             self.progress.end_round()
             self.suspended = True
             return None

@@ -493,7 +493,7 @@ def test_systemd_unit_runs_at_idle_priority_and_restarts(unit):
     assert svc["CPUWeight"] == "idle" or 1 <= int(svc["CPUWeight"]) <= 20
     assert svc["IOSchedulingClass"] == "idle"
     assert svc["Restart"] == "on-failure" and svc["RestartSec"]
-    # Stopping: the worker's first SIGINT/SIGTERM finishes the lease; leave it time for that.
+    # Stopping: the worker's first SIGINT/SIGTERM saves its round and lets an upload finish; leave it time.
     assert svc["KillSignal"] in ("SIGINT", "SIGTERM") and svc["TimeoutStopSec"]
     assert svc["UMask"] == "0077"
     assert unit["Install"]["WantedBy"] == "default.target"

@@ -229,7 +229,7 @@ def test_workers_killed_and_restarted_at_random_still_train_every_shard(tmp_path
             time.sleep(0.1)
         epoch_s = time.monotonic() - t0
 
-        # Stop the survivors: the first SIGTERM lets a worker deliver its round in flight and exit 0.
+        # Stop the survivors: the first SIGTERM saves a round in flight, lets an upload finish, exits 0.
         for proc in workers.values():
             proc.send_signal(signal.SIGTERM)
         for i, proc in workers.items():

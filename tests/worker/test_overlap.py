@@ -97,6 +97,11 @@ class FakeClient:
         self.c.note("snapshot", version)
         return self.c.snapshot, int(version)  # the same weights under every version number
 
+    def lease_standing(self, lease_id: int) -> protocol.LeaseStanding:
+        with self.c.lock:
+            state = self.c.leases.get(lease_id, "active")
+        return protocol.LeaseStanding(lease_id=lease_id, state=state, deliverable=state == "active", reason=state)
+
     def release(self, lease_id: int) -> None:
         with self.c.lock:
             if self.c.leases.get(lease_id) == "active":

@@ -363,3 +363,44 @@ def test_a_worker_of_a_finished_run_says_so_once_and_stops(api, run, tmp_path, c
     assert said[0].getMessage().startswith("run 't' finished (") and "finished (run 't'" not in said[0].getMessage()
     assert w.left is not None and w.left.status == 410
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+def test_the_first_ctrl_c_saves_the_round_at_its_step_and_the_second_quits(api, long_run, tmp_path, caplog,
+                                                                            monkeypatch):
+    """Issue 36: the first Ctrl-C acted only once the whole lease was trained (minutes at 21M
+    parameters). Now it saves the round after the step it is in and the worker exits, saying so; the
+    restart resumes from that step. A second Ctrl-C raises KeyboardInterrupt at once."""
+    import signal
+
+    from worker.control import StopFlag
+
+    w, t = make_worker(api, tmp_path, max_rounds=None, every=0)  # no periodic checkpoint: the stop saves
+    real = w._step_hook
+
+    def hook(lease):
+        inner = real(lease)
+
+        def on_step(step: int, loss: float) -> None:
+            inner(step, loss)
+            if step == 3:
+                w.stop.event.set()
+        return on_step
+
+    monkeypatch.setattr(w, "_step_hook", hook)
+    with caplog.at_level(logging.INFO, logger="worker"):
+        assert w.run() == 0
+    lease_id = StateStore(tmp_path / "worker", URL, "t").load().round.lease.lease_id
+    assert f"lease {lease_id}: stopped after step 3/{STEPS} (saved: the round resumes there" in caplog.text
+    assert delta_uploads(t) == [] and StateStore(tmp_path / "worker", URL, "t").load().round.step == 3
+    w2, t2 = make_worker(api, tmp_path, every=0)
+    with caplog.at_level(logging.INFO, logger="worker"):
+        assert w2.run() == 1
+    assert f"resuming lease {lease_id} at step 3/{STEPS}" in caplog.text and delta_uploads(t2) == [lease_id]
+
+    flag, handlers = StopFlag(), {}
+    monkeypatch.setattr(signal, "signal", lambda sig, fn: handlers.__setitem__(sig, fn))
+    flag.install()
+    handlers[signal.SIGINT](signal.SIGINT, None)
+    assert flag.event.is_set() and "saved when its current step ends" in caplog.text
+    with pytest.raises(KeyboardInterrupt):
+        handlers[signal.SIGTERM](signal.SIGTERM, None)
