@@ -172,8 +172,10 @@ def _watch(client: httpx.Client, procs: list[subprocess.Popen], *, minutes: floa
 
 
 def _stop_workers_and_evaluate(client: httpx.Client, procs: list[subprocess.Popen], *, out) -> dict:
-    """Stop the workers (each delivers its round), let the merger drain, evaluate; the run's status."""
-    print("stopping workers (each finishes and delivers its current round)…", file=out, flush=True)
+    """Stop the workers (each saves its round in flight, an upload in flight lands), let the merger
+    drain, evaluate; the run's status."""
+    print("stopping workers (each saves its round in flight; an upload in flight still lands)…", file=out,
+          flush=True)
     for p in procs[1:]:
         p.send_signal(signal.SIGINT)
     for p in procs[1:]:
