@@ -21,7 +21,6 @@ from coordinator.queries import spotchecks as check_rows
 from coordinator.queries import versions as version_rows
 from coordinator.runtime import MergeOutcome, RunRuntime
 from coordinator.services.coordinator import Coordinator
-from shared import codec
 
 log = logging.getLogger(__name__)
 
@@ -236,13 +235,12 @@ class Merger:
         done, lost = [], []
         for row in rows:
             try:
-                blob = rt.storage.read(rt.storage.compensation(rt.run_id, row.seq))
+                rt.compensate(row.seq, row.applied)
             except FileNotFoundError:
                 log.error("run %s: the kept bytes of delta %d are gone; it cannot be compensated",
                           rt.config.name, row.seq)
                 lost.append(row.id)
                 continue
-            rt.compensate(row.seq, codec.decode_flat(blob, schema=rt.schema, offsets=rt.outer.offsets), row.applied)
             done.append(row.id)
         return done, lost
 

@@ -310,10 +310,13 @@ class RunRuntime(ExchangeFolding):
                             norm=verdict.norm if verdict else None, cosine=verdict.cosine if verdict else None,
                             clipped=bool(verdict and verdict.action == "clip"), rejection=why, applied=applied)
 
-    def compensate(self, seq: int, delta: codec.FlatDelta, applied: float) -> None:
+    def compensate(self, seq: int, applied: float) -> None:
         """Take back merged delta `seq` (FlatOuter.compensate), found false after it merged (a failed
-        spot-check): before the merge of the next version, so that the replay on a restart does
-        the same at the same place (coordinator/queries/compensations.py). The caller holds `lock`."""
+        spot-check), from its kept bytes (Storage.compensation; FileNotFoundError when they are gone):
+        before the merge of the next version, so that the replay on a restart does the same at the
+        same place (coordinator/queries/compensations.py). The caller holds `lock`."""
+        blob = self.storage.read(self.storage.compensation(self.run_id, seq))
+        delta = codec.decode_flat(blob, schema=self.schema, offsets=self.outer.offsets)
         self.outer.compensate(delta, applied=applied, cfg=self.config.outer)
         log.info("run %s: delta %d compensated before version %d (it had moved the weights by %.3g x its values)",
                  self.config.name, seq, self.version + 1, applied)

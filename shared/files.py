@@ -19,10 +19,15 @@ def umask() -> int:
     return mask
 
 
+def plain_mode() -> int:
+    """The mode a plain open() gives a new file: 0666 less the umask."""
+    return 0o666 & ~umask()
+
+
 def readable(path: Path) -> None:
-    """Give a file the mode a plain open() would (0666 less the umask): a temp file (mkstemp) and
-    safetensors' save_file make 0600, which other users of a shared folder cannot read."""
-    os.chmod(path, 0o666 & ~umask())
+    """Give a file plain_mode(): a temp file (mkstemp) and safetensors' save_file make 0600, which
+    other users of a shared folder cannot read."""
+    os.chmod(path, plain_mode())
 
 
 def atomic_write(path: Path, data: bytes | memoryview | Sequence[bytes | memoryview], *,
@@ -41,7 +46,7 @@ def atomic_write(path: Path, data: bytes | memoryview | Sequence[bytes | memoryv
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         if shared:
-            os.fchmod(fd, 0o666 & ~umask())
+            os.fchmod(fd, plain_mode())
         with os.fdopen(fd, "wb", buffering=0) as f:
             unsynced = 0
             for part in parts:

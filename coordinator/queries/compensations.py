@@ -48,9 +48,11 @@ def at(c: Connection, run_id: int, first: int, last: int) -> dict[int, list[tupl
     return out
 
 
-def held_through(c: Connection, run_id: int, through: int) -> list[int]:
-    """The seqs of compensations applied at or before version `through` (a checkpoint holds them)."""
+def held_since(c: Connection, run_id: int, after: int, through: int) -> list[int]:
+    """The seqs of compensations applied before versions after+1..through (the checkpoints now hold
+    them; those up to `after` were held, and their bytes deleted, at an earlier pruning)."""
     return list(c.scalars(select(Compensation.seq).where(Compensation.run_id == run_id,
+                                                         Compensation.before_version > after,
                                                          Compensation.before_version <= through)))
 
 

@@ -58,12 +58,11 @@ def standings(c: Connection, run_id: int) -> dict[str, int]:
         Worker.run_id == run_id).group_by(Worker.standing))}
 
 
-def worker_totals(c: Connection, run_id: int) -> tuple[int, int, float]:
-    """(workers, deltas rejected, credit) over the run's workers."""
-    n, rejected, credit = c.execute(select(
-        func.count(), func.coalesce(func.sum(Worker.deltas_rejected), 0),
-        func.coalesce(func.sum(Worker.credit), 0.0)).where(Worker.run_id == run_id)).one()
-    return n, rejected, credit
+def worker_totals(c: Connection, run_id: int) -> tuple[int, float]:
+    """(workers, credit) over the run's workers (their deltas rejected: delta_counts)."""
+    n, credit = c.execute(select(func.count(), func.coalesce(func.sum(Worker.credit), 0.0))
+                          .where(Worker.run_id == run_id)).one()
+    return n, credit
 
 
 def holding(c: Connection, run_id: int, now: datetime) -> set[int]:

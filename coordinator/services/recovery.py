@@ -166,8 +166,7 @@ class RecoveryService:
         for seq, base_version, lease_id, sha, worker_id, voice in todo:
             self.storage.adopt_delta(rt.run_id, seq, lease_id, sha)  # acknowledged, not merged before the crash
             for false_seq, applied in undo.get(seq, []):  # taken back where the merger took it back
-                blob = self.storage.read(self.storage.compensation(rt.run_id, false_seq))
-                rt.compensate(false_seq, codec.decode_flat(blob, schema=rt.schema, offsets=rt.outer.offsets), applied)
+                rt.compensate(false_seq, applied)
             rt.merge(seq=seq, base_version=base_version, write_snapshot=False, worker=worker_id, voice=voice)
             exchanges_after(seq)
         return len(todo), n_exchanges
@@ -213,7 +212,7 @@ class RecoveryService:
         gone = self.storage.prune_deltas(rt.run_id, through)
         with self.db.begin() as c:
             exchange_rows.drop_bodies(c, rt.run_id, from_version=done, before_version=through)
-            held = compensation_rows.held_through(c, rt.run_id, through)
+            held = compensation_rows.held_since(c, rt.run_id, done, through)
         for seq in held:  # every kept checkpoint holds these compensations: their bytes go too
             self.storage.delete(self.storage.compensation(rt.run_id, seq))
         log.debug("run %s: deltas up to version %d deleted (%d blobs): every kept checkpoint holds them",

@@ -134,7 +134,7 @@ class ReportService:
             run = named_run(run_rows.by_name(c, run_name), run_name)
             cfg = RunConfig.model_validate_json(run.config_json)
             counts = report_rows.delta_counts(c, run.id)
-            n_workers, _, credit_total = report_rows.worker_totals(c, run.id)
+            n_workers, credit_total = report_rows.worker_totals(c, run.id)
             evals = _evals(c, run.id)
             live_workers = self._live_workers(c, run, cfg, now)
             leaders = report_rows.leaders(c, run.id, self.DASHBOARD_LEADERS)

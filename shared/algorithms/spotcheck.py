@@ -192,9 +192,7 @@ def exchange_vectors(sent: Mapping[int, Delta], replay: Mapping[int, Delta], con
                 raise ValueError(f"exchange after step {step}: its {e.name} is not at the replay's indices")
             at = start[e.name].reshape(-1)[torch.from_numpy(np.asarray(e.indices, dtype=np.int64))].to(torch.float64)
             raw = np.asarray(r.values, dtype=np.float32)
-            value_codec = VALUE_CODECS[e.value_kind]
-            rounded = value_codec.decode(memoryview(value_codec.encode(raw)), raw.size)[0]
-            for i, values in enumerate((e.values, raw, rounded, k.values)):
+            for i, values in enumerate((e.values, raw, _rounded(raw, e.value_kind), k.values)):
                 parts[i].append(torch.from_numpy(np.asarray(values, dtype=np.float64)) - at)
     return tuple(torch.cat(p) if p else torch.zeros(0, dtype=torch.float64) for p in parts)
 
@@ -217,14 +215,17 @@ def on_support(delta: Delta, replay: Mapping[str, torch.Tensor]) -> tuple[torch.
     return torch.cat(sent), torch.cat(ref)
 
 
+def _rounded(values: np.ndarray, value_kind) -> np.ndarray:
+    """fp32 values as a value codec carries them (encoded, then decoded)."""
+    codec = VALUE_CODECS[value_kind]
+    return codec.decode(memoryview(codec.encode(values)), values.size)[0]
+
+
 def rounded_on_support(delta: Delta, replay: Mapping[str, torch.Tensor]) -> torch.Tensor:
     """The replay's values at the delta's elements (on_support's order), each entry rounded by its own
     value codec: what the delta would carry had its round been the replay, with nothing carried."""
-    out = []
-    for e in delta.entries:
-        values = _at(e, replay).to(torch.float32).numpy()
-        codec = VALUE_CODECS[e.value_kind]
-        out.append(torch.from_numpy(codec.decode(memoryview(codec.encode(values)), values.size)[0]).to(torch.float64))
+    out = [torch.from_numpy(_rounded(_at(e, replay).to(torch.float32).numpy(), e.value_kind)).to(torch.float64)
+           for e in delta.entries]
     return torch.cat(out) if out else torch.zeros(0, dtype=torch.float64)
 
 
