@@ -139,11 +139,10 @@ class Checker:
     def _replay(self, r: Round, blob: bytes | None):
         st = None
         if blob is not None:
-            st = start_state.decode(blob, schema=SCHEMA, limit=start_state.max_bytes(SCHEMA))
-            why = start_state.incomplete(st, schema=SCHEMA, group=False) or start_state.implausible(
-                st, beta1=INNER.beta1, beta2=INNER.beta2)
-            if why:
-                return None, why
+            st = start_state.judge(blob, schema=SCHEMA, group=False, replica=False, beta1=INNER.beta1,
+                                   beta2=INNER.beta2)
+            if isinstance(st, str):
+                return None, st
         pg = sc.replay_round(MODEL, INNER, r.base, r.tokens, lr=LR, seed=r.lease.seed, start=st)
         control = None if st is None else sc.replay_round(MODEL, INNER, r.base, r.control, lr=LR,
                                                           seed=r.lease.seed ^ sc.CONTROL_SEED, start=st)

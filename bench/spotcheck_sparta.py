@@ -112,11 +112,9 @@ def trial(t: int, *, rounds: int, precision: str, cfg: SpartaConfig) -> list[Che
 
 
 def state_of(blob: bytes) -> start_state.StartState:
-    st = start_state.decode(blob, schema=SCHEMA, limit=start_state.max_bytes(SCHEMA, replica=True))
-    why = (start_state.incomplete(st, schema=SCHEMA, group=False, replica=True)
-           or start_state.implausible(st, beta1=INNER.beta1, beta2=INNER.beta2))
-    if why:
-        raise ValueError(why)
+    st = start_state.judge(blob, schema=SCHEMA, group=False, replica=True, beta1=INNER.beta1, beta2=INNER.beta2)
+    if isinstance(st, str):
+        raise ValueError(st)
     return st
 
 

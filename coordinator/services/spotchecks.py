@@ -198,15 +198,10 @@ class SpotCheckService:
         if row.state_received_at is None:
             return (f"its round's start state, committed with its upload, was not sent within "
                     f"{self.state_wait_s:g} s")
-        replica = ALGORITHMS[cfg.algorithm].starts_from is Start.REPLICA
-        blob = self.storage.read(state_name(self.storage, row.run_id, row.lease_id))
-        try:
-            state = start_state.decode(blob, schema=schema, limit=start_state.max_bytes(schema, replica=replica))
-        except ValueError as exc:
-            return f"its round's start state is not one: {exc}"
-        why = (start_state.incomplete(state, schema=schema, group=cfg.inner.second_moment_workers > 1, replica=replica)
-               or start_state.implausible(state, beta1=cfg.inner.beta1, beta2=cfg.inner.beta2))
-        return f"its round's start state is no AdamW state: {why}" if why else state
+        return start_state.judge(self.storage.read(state_name(self.storage, row.run_id, row.lease_id)),
+                                 schema=schema, group=cfg.inner.second_moment_workers > 1,
+                                 replica=ALGORITHMS[cfg.algorithm].starts_from is Start.REPLICA,
+                                 beta1=cfg.inner.beta1, beta2=cfg.inner.beta2)
 
     def _compare(self, row, cfg: RunConfig, *, first: bool, offset: int, ahead: list) -> replay.Comparison:
         schema = self.live.schema_of(row.run_id)

@@ -193,3 +193,15 @@ def implausible(state: StartState, *, beta1: float, beta2: float) -> str | None:
             return (f"optimizer state of {name}: a first moment above {c:.3g} x the square root of the second, "
                     f"which AdamW's updates never reach")
     return None
+
+
+def judge(blob: bytes, *, schema: Mapping[str, tuple[int, ...]], group: bool, replica: bool, beta1: float,
+          beta2: float) -> StartState | str:
+    """A committed start state as the check takes it: decoded within max_bytes, then held to
+    `incomplete` and `implausible`; or why the check fails on it (a str)."""
+    try:
+        state = decode(blob, schema=schema, limit=max_bytes(schema, replica=replica))
+    except ValueError as exc:
+        return f"its round's start state is not one: {exc}"
+    why = incomplete(state, schema=schema, group=group, replica=replica) or implausible(state, beta1=beta1, beta2=beta2)
+    return f"its round's start state is no AdamW state: {why}" if why else state
