@@ -178,9 +178,12 @@ def worker_needs(cfg: RunConfig) -> str:
     why += ["update_feedback"] if cfg.update_feedback else []
     version = (f" Its leases need workers of API v{api} or later ({', '.join(why)}): older ones are told to upgrade."
                if api > protocol.MIN_API_VERSION else "")
+    ram_low, ram_whole = gb(free_ram_for(low)), gb(free_ram_for(whole))
+    ram = (f"{ram_low} free for either" if ram_low == ram_whole else f"{ram_low} free for the first, {ram_whole} "
+           "for the second")
     return (f"model: {m.arch}, {m.n_params():,} parameters. A worker trains it with --max-params >= {low:,} "
-            f"({passes}), {whole:,} for whole batches of {batch}; a worker's default cap comes from its free "
-            f"memory: {gb(free_ram_for(low))} and {gb(free_ram_for(whole))} free on a CPU.{version}")
+            f"({passes}), {whole:,} for whole batches of {batch}; without --max-params a CPU worker sets its cap "
+            f"from its free memory and needs {ram}.{version}")
 
 
 def format_status(st: dict) -> str:
