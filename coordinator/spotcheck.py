@@ -18,7 +18,7 @@ from __future__ import annotations
 import hashlib
 
 from shared.algorithms.registry import ALGORITHMS
-from shared.algorithms.spotcheck import CARRIED, EXACT, SpotCheckBounds
+from shared.algorithms.spotcheck import CARRIED, CARRIED_COARSE, COARSE_VALUES, EXACT, SpotCheckBounds
 from shared.config import RunConfig
 
 MAX_PENDING = 64  # checks waiting per run: beyond, no lease is sampled (each pins a snapshot and a delta copy)
@@ -34,10 +34,14 @@ def sampled(*, run_seed: int, lease_id: int, rate: float) -> bool:
     return int.from_bytes(digest, "little") / 2.0 ** 64 < rate
 
 
-def bounds(*, first_lease: bool) -> SpotCheckBounds:
+def bounds(cfg: RunConfig, *, first_lease: bool) -> SpotCheckBounds:
     """A worker's first lease is trained from a fresh AdamW, as the replay is (EXACT); a later one from
-    the state its earlier rounds left, which the coordinator does not hold (CARRIED)."""
-    return EXACT if first_lease else CARRIED
+    the state its earlier rounds left, which the coordinator does not hold (CARRIED), and at int1/int2
+    with error feedback from a residual as large as a round (CARRIED_COARSE)."""
+    if first_lease:
+        return EXACT
+    coarse = cfg.compression.error_feedback and cfg.compression.values in COARSE_VALUES
+    return CARRIED_COARSE if coarse else CARRIED
 
 
 def not_checkable(cfg: RunConfig, *, first_lease: bool, committed: bool = False) -> str | None:

@@ -227,7 +227,7 @@ class SpotCheckService:
         values, ref = replay.on_support(sent, pg)
         rounded = replay.rounded_on_support(sent, pg)
         if state is None:
-            return replay.compare(values, ref, spotcheck.bounds(first_lease=first), rounded=rounded)
+            return replay.compare(values, ref, spotcheck.bounds(cfg, first_lease=first), rounded=rounded)
         # the control: the same start state on another shard, with other batches (compare_committed)
         control = replay.replay_round(cfg.model, cfg.inner, base, self._tokens(row.run_id, self._other_shard(
             row.run_id, row.shard_index), cfg), lr=row.lr, seed=row.seed ^ replay.CONTROL_SEED, start=state,

@@ -76,6 +76,13 @@ class SpotCheckBounds:
 EXACT = SpotCheckBounds(min_cosine=0.98, min_ratio=0.8, max_ratio=1.25)
 # Later rounds carry AdamW state the replay lacks: honest measured >= 0.80, ratio 0.63-1.02.
 CARRIED = SpotCheckBounds(min_cosine=0.5, min_ratio=0.2, max_ratio=3.0)
+# ... and at int1/int2 with error feedback, the residual earlier rounds' rounding left out, which grows
+# to the size of a round: honest int1 rounds drift down to 0.55 over 30 rounds of the test model, and to
+# 0.31-0.45 in the long-run regime of `bench field` (5 of 6 honest checks failed CARRIED there). This
+# bound keeps what CARRIED catches for certain (zeros, a random delta ~0, a sign-flipped one, one blown
+# up 10x) and no more.
+CARRIED_COARSE = SpotCheckBounds(min_cosine=0.1, min_ratio=0.2, max_ratio=3.0)
+COARSE_VALUES = ("int1", "int2")  # least-squares magnitudes: their error feedback carries most
 
 
 @dataclasses.dataclass(frozen=True)
