@@ -225,7 +225,7 @@ class WorkerService:
         if worker.standing != "throttled":
             return
         recent = judged_outcomes(c, worker.id, cfg)
-        wait = trust.throttle_wait(rejections=sum(outcome == "rejected" for outcome, _ in recent),
+        wait = trust.throttle_wait(rejections=trust.rejection_weight(recent),
                                    last_lease_at=aware_or_none(worker.last_lease_at), now=utcnow(), cfg=cfg.robust)
         if wait > 0:
             raise TooManyRequests(f"this worker is throttled ({worker.standing_reason}); "

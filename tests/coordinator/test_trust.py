@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import datetime, timedelta, timezone
 
 from coordinator.ratelimit import RateLimiter
-from coordinator.trust import THROTTLE_S, judged, standing, throttle_wait
+from coordinator.trust import THROTTLE_S, judged, rejection_weight, standing, throttle_wait
 from shared.config import RobustConfig
 
 CFG = RobustConfig(throttle_after=2, ban_after=4)
@@ -22,6 +22,26 @@ def test_standing_counts_recent_rejections():
     assert standing([R, R] + [M] * 8, current="throttled", cfg=CFG).state == "ok"
     # a ban is sticky
     assert standing([M] * 8, current="banned", cfg=CFG).state == "banned"
+
+
+def test_a_refusal_for_not_agreeing_with_the_consensus_weighs_half():
+    """The direction screen also refuses honest deltas at its margin (bench field's long regime: 23 of
+    325): two such refusals in eight no longer throttle a worker; four do, eight ban; other rejections
+    and failed spot-checks weigh as before."""
+    weak = ("rejected", "does not agree with the consensus: norm 3.1 is 1.0x the workers' median with cosine 0.04")
+    spot = ("rejected", "spot-check of lease 9 failed: its direction is not the replay's")
+    assert standing([M, weak, M, weak], current="ok", cfg=CFG).state == "ok"
+    s = standing([weak, M, weak, weak, M, weak], current="ok", cfg=CFG)
+    assert s.state == "throttled" and "weighing 2" in s.reason and "consensus 0.5" in s.reason
+    assert standing([weak] * 8, current="throttled", cfg=CFG).state == "banned"
+    assert standing([weak, R, M, M], current="ok", cfg=CFG).state == "ok"  # 1.5
+    assert standing([weak, R, weak], current="ok", cfg=CFG).state == "throttled"  # 2
+    assert standing([spot, spot], current="ok", cfg=CFG).state == "banned"  # 4, as before
+    assert rejection_weight([weak, R, spot, M]) == 3.5
+    assert rejection_weight([R] * 3 + [M] * 8) == 0  # only the last eight count
+    # the pause of a throttled worker grows with the weight, as it did with the count
+    now = datetime(2030, 1, 1, tzinfo=timezone.utc)
+    assert abs(throttle_wait(rejections=2.5, last_lease_at=now, now=now, cfg=CFG) - THROTTLE_S * 2 ** 0.5) < 1e-3
 
 
 def test_deltas_that_only_waited_too_long_do_not_count():
