@@ -3,6 +3,9 @@
 here when this folder is importable.
 
     __main__.py            the command line: one subcommand per benchmark, its options checked
+    field/                 `field`: the real coordinator and workers in network namespaces on shaped links
+                           against real data-parallel (ring, parameter server, compressed) and one worker
+                           alone (a package: its runner, rows, network, report)
     convergence.py         `convergence`: DDP vs DiLoCo vs SPARTA vs compressed, same tokens
     convergence_long.py    `convergence --profile long`: replicas 1-8 at 100 rounds, captured gain, algorithms
     convergence_long_report.py  the long profile's captured gains, results.md and loss.png (a panel per

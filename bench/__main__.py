@@ -304,10 +304,11 @@ def build_parser(prog: str = "python -m bench") -> argparse.ArgumentParser:
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     sub = p.add_subparsers(dest="action", required=True)
     from bench import spotcheck, spotcheck_sparta
+    from bench.field import cli as field_cli
 
     for add in (_convergence_parser, _regime_parser, _averaging_parser, _merge_parser, _load_parser,
                 _utilisation_parser, _models_parser, wallclock_parser, spotcheck.add_parser,
-                spotcheck_sparta.add_parser):
+                spotcheck_sparta.add_parser, field_cli.add_parser):
         add(sub)
     return p
 

@@ -13,7 +13,8 @@ import setuptools
 from bench.__main__ import main
 
 ROOT = Path(__file__).resolve().parents[2]
-BENCHMARKS = ["convergence", "averaging", "merge", "load", "utilisation", "models", "spotcheck", "spotcheck-sparta"]
+BENCHMARKS = ["convergence", "averaging", "merge", "load", "utilisation", "models", "spotcheck", "spotcheck-sparta",
+              "field"]
 
 
 def test_python_m_bench_lists_every_benchmark():
