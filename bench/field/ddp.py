@@ -74,6 +74,32 @@ def _bf16_hook(state, bucket):
     return fut.then(back)
 
 
+class Saver:
+    """The lead rank's checkpoints (out/ckpt-*.pt: wall time since the row's start, step, tokens, the
+    model's state) every `every` seconds, and at the end with steps.json; other ranks save nothing."""
+
+    def __init__(self, out: Path, model: torch.nn.Module, *, lead: bool, started: float, every: float,
+                 tokens_per_step: int) -> None:
+        self.out, self.model, self.lead, self.started, self.every = out, model, lead, started, every
+        self.tokens_per_step, self.saved_at = tokens_per_step, 0.0
+
+    def save(self, step: int, now: float, **extra) -> None:
+        if self.lead:
+            torch.save({"t": now - self.started, "step": step, "tokens": step * self.tokens_per_step, **extra,
+                        "state": self.model.state_dict()}, self.out / f"ckpt-{step:07d}.pt")
+            self.saved_at = now
+
+    def after_step(self, step: int, **extra) -> None:
+        now = time.time()
+        if now - self.saved_at >= self.every:
+            self.save(step, now, **extra)
+
+    def finish(self, step: int, times: list[float], **extra) -> None:
+        self.save(step, time.time(), **extra)
+        if self.lead:
+            (self.out / "steps.json").write_text(json.dumps({"steps": step, "step_s": times, **extra}))
+
+
 def _schedule(step: int, *, warmup: int, total: int, min_ratio: float = 0.1) -> float:
     if step < warmup:
         return (step + 1) / warmup
@@ -186,17 +212,11 @@ def main(spec_path: str, rank: int) -> int:
     gen = torch.Generator().manual_seed(spec["seed"] * 1000 + me)
     batch, context = inner["batch_size"], cfg.context
     per_shard = max(1, mine[0].numel() // (batch * context))
-    total = None
-    step, saved_at = 0, 0.0
-    core = model.module if mode == "ring" else model
+    total, step = None, 0
     times: list[float] = []
-
-    def save(now: float) -> None:
-        torch.save({"t": now - started, "step": step, "tokens": step * batch * context * trainers,
-                    "state": core.state_dict()}, out / f"ckpt-{step:07d}.pt")
-
-    if me == 0:
-        save(time.time())
+    saver = Saver(out, model.module if mode == "ring" else model, lead=me == 0, started=started,
+                  every=spec["save_every_s"], tokens_per_step=batch * context * trainers)
+    saver.save(0, time.time())
     while True:
         now = time.time()
         # the lead's clock decides for all (go, and the schedule's length once it has timed its first
@@ -226,13 +246,8 @@ def main(spec_path: str, rank: int) -> int:
         opt.zero_grad(set_to_none=True)
         step += 1
         times.append(time.perf_counter() - t0)
-        now = time.time()
-        if me == 0 and now - saved_at >= spec["save_every_s"]:
-            save(now)
-            saved_at = now
-    if me == 0:
-        save(time.time())
-        (out / "steps.json").write_text(json.dumps({"steps": step, "step_s": times}))
+        saver.after_step(step)
+    saver.finish(step, times)
     if mode != "alone":
         dist.barrier()
     return 0

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from bench.field.data import staged_shards
-from bench.field.ddp import _schedule
+from bench.field.ddp import Saver, _schedule
 from shared.data import sample_batch
 from shared.model import ModelConfig, build_model
 
@@ -66,15 +66,10 @@ def main(spec_path: str, rank: int) -> int:
     mine = shards[rank::spec["workers"]]
     gen = torch.Generator().manual_seed(spec["seed"] * 1000 + rank)
     per_shard = max(1, mine[0].numel() // (batch * context))
-    step, saved_at, times = 0, 0.0, []
-    total = None
-
-    def save(now: float) -> None:
-        torch.save({"t": now - started, "step": step, "tokens": step * batch * context * spec["workers"],
-                    "epoch": opt.local_epoch, "state": model.state_dict()}, out / f"ckpt-{step:07d}.pt")
-
-    if rank == 0:
-        save(time.time())
+    step, times, total = 0, [], None
+    saver = Saver(out, model, lead=rank == 0, started=started, every=spec["save_every_s"],
+                  tokens_per_step=batch * context * spec["workers"])
+    saver.save(0, time.time(), epochs=0)
     while time.time() < deadline:
         if step == 12:  # as the ddp ranks do: the cosine's length from the first steps' pace
             total = step + int((deadline - time.time()) / (sum(times[2:]) / len(times[2:])))
@@ -91,13 +86,8 @@ def main(spec_path: str, rank: int) -> int:
         opt.zero_grad()
         step += 1
         times.append(time.perf_counter() - t0)
-        now = time.time()
-        if rank == 0 and now - saved_at >= spec["save_every_s"]:
-            save(now)
-            saved_at = now
-    if rank == 0:
-        save(time.time())
-        (out / "steps.json").write_text(json.dumps({"steps": step, "step_s": times, "epochs": opt.local_epoch}))
+        saver.after_step(step, epochs=opt.local_epoch)
+    saver.finish(step, times, epochs=opt.local_epoch)
     return 0
 
 
