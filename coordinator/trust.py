@@ -26,21 +26,21 @@ import dataclasses
 from collections.abc import Sequence
 from datetime import datetime, timedelta
 
+from shared.algorithms.robust import DISAGREES
 from shared.config import RobustConfig
 
 RECENT = 8  # deltas per worker that count
 THROTTLE_S = 30.0  # base pause between leases for a throttled worker
 SPOT_CHECK = "spot-check"  # how the reason of a failed spot-check's refusal begins
 SPOT_CHECK_WEIGHT = 2  # rejections a failed spot-check counts as
-CONSENSUS = "does not agree with the consensus"  # how robust.py's direction refusal begins
-CONSENSUS_WEIGHT = 0.5  # what such a refusal counts as
+CONSENSUS_WEIGHT = 0.5  # what a refusal for not agreeing with the consensus (robust.DISAGREES) counts as
 
 
 def _weight(reason: str | None) -> float:
     reason = reason or ""
     if reason.startswith(SPOT_CHECK):
         return SPOT_CHECK_WEIGHT
-    return CONSENSUS_WEIGHT if reason.startswith(CONSENSUS) else 1
+    return CONSENSUS_WEIGHT if reason.startswith(DISAGREES) else 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,7 +70,7 @@ def standing(outcomes: Sequence[tuple[str, str | None]], *, current: str, cfg: R
         return Standing("banned", None)  # keep the recorded reason
     recent = list(outcomes)[-RECENT:]
     rejected = [reason for outcome, reason in recent if outcome == "rejected"]
-    weight = sum(_weight(reason) for reason in rejected)
+    weight = rejection_weight(recent)
     if not rejected:
         return Standing("ok", None)
     count = f"{len(rejected)} of its last {len(recent)} deltas rejected" + (

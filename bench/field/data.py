@@ -30,19 +30,16 @@ def field_tokens(spec: dict) -> tuple[list[torch.Tensor], torch.Tensor]:
     return [torch.from_numpy(s.copy()) for s in shards], torch.from_numpy(corpus.eval.copy())
 
 
-def slices(spec: dict) -> dict[str, torch.Tensor]:
-    """{"test": the coordinator's eval tokens, "validation": the next as many}; ValueError when the held-out
-    split is too short for both."""
-    _, held = field_tokens(spec)
-    n = spec["eval_tokens"]
+def slices(held: torch.Tensor, n: int) -> dict[str, torch.Tensor]:
+    """{"test": the coordinator's eval tokens (the first `n` of the held-out split), "validation": the
+    next `n`}; ValueError when the held-out split is too short for both."""
     if held.numel() < 2 * n:
         raise ValueError(f"the held-out split has {held.numel()} tokens, fewer than 2 x eval_tokens = {2 * n}")
     return {"test": held[:n], "validation": held[n:2 * n]}
 
 
-def stage_shards(spec: dict, path: Path) -> Path:
+def stage_shards(shards: list[torch.Tensor], path: Path) -> Path:
     """The run's shards in one .npy (lease order, equal lengths), for the data-parallel ranks to map."""
-    shards, _ = field_tokens(spec)
     np.save(path, np.stack([s.numpy() for s in shards]))
     return path
 

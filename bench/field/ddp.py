@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import os
-import math
 import sys
 import time
 from datetime import timedelta
@@ -33,6 +32,8 @@ import torch
 import torch.distributed as dist
 
 from bench.field.data import staged_shards
+from shared.algorithms.inner import scheduled_lr
+from shared.config import InnerConfig
 from shared.data import sample_batch
 from shared.model import ModelConfig, build_model
 
@@ -100,11 +101,15 @@ class Saver:
             (self.out / "steps.json").write_text(json.dumps({"steps": step, "step_s": times, **extra}))
 
 
-def _schedule(step: int, *, warmup: int, total: int, min_ratio: float = 0.1) -> float:
+COSINE = InnerConfig(lr=1.0, min_lr_ratio=0.1)  # the run's cosine, as a factor of the row's lr
+
+
+def _schedule(step: int, *, warmup: int, total: int) -> float:
+    """The lr's factor at `step`: a linear warm-up, then the run's cosine (inner.scheduled_lr) to 10%
+    over the steps left until `total`."""
     if step < warmup:
         return (step + 1) / warmup
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    return scheduled_lr(COSINE, tokens_done=step - warmup, schedule_tokens=max(1, total - warmup))
 
 
 class _Server:

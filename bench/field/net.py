@@ -144,7 +144,6 @@ class Field:
 
     def close(self) -> None:
         for name in reversed(self._made):
-            subprocess.run(["ip", "netns", "pids", name], capture_output=True)  # (nothing should be left)
             subprocess.run(["ip", "netns", "del", name], capture_output=True)
         self._made.clear()
         if self.cgroup.exists():

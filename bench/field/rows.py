@@ -88,16 +88,14 @@ def _wait_healthy(field: Field, url: str, proc: subprocess.Popen, log: Path) -> 
     raise RuntimeError(f"the coordinator did not answer in 300 s:\n{log.read_text()[-3000:]}")
 
 
-def _bytes(field: Field, before: dict[str, Counters]) -> dict:
-    now = {ns: field.counters(ns) for ns in before}
-    return {ns: {"up": (now[ns] - before[ns]).tx, "down": (now[ns] - before[ns]).rx} for ns in before}
-
-
-def _per_worker(traffic: dict, field: Field, n: int) -> dict:
-    ups = [traffic[field.worker(i)]["up"] for i in range(n)]
-    downs = [traffic[field.worker(i)]["down"] for i in range(n)]
-    return {"up_mean": sum(ups) / n, "down_mean": sum(downs) / n, "up_max": max(ups), "down_max": max(downs),
-            "coordinator_up": traffic[field.coord]["up"], "coordinator_down": traffic[field.coord]["down"]}
+def _bytes(field: Field, before: dict[str, Counters], workers: list[str], *, coordinator: bool) -> dict:
+    """The row's bytes since `before`: per worker each way (mean and max over `workers`), and the
+    coordinator's namespace's when the row used it (else 0)."""
+    moved = {ns: field.counters(ns) - before[ns] for ns in before}
+    ups, downs = [moved[ns].tx for ns in workers], [moved[ns].rx for ns in workers]
+    coord = moved[field.coord] if coordinator else Counters(0, 0)
+    return {"up_mean": sum(ups) / len(ups), "down_mean": sum(downs) / len(downs), "up_max": max(ups),
+            "down_max": max(downs), "coordinator_up": coord.tx, "coordinator_down": coord.rx}
 
 
 def run_idletrain(field: Field, run: dict, *, workers: int, duration_s: float, out: Path,
@@ -132,7 +130,7 @@ def run_idletrain(field: Field, run: dict, *, workers: int, duration_s: float, o
             if dead:
                 raise RuntimeError(f"a process of the idletrain row exited early (rc {dead[0].returncode}); "
                                    f"see {out}")
-        traffic = _bytes(field, before)
+        traffic = _bytes(field, before, [field.worker(i) for i in range(workers)], coordinator=True)
         _stop(procs[1:])
         status = _http(field, "GET", f"{url}/api/v1/runs/{run['name']}/status")["body"]
         throttled = {f"w{i}": field.throttled_s(f"w{i}") for i in range(workers)}
@@ -145,7 +143,7 @@ def run_idletrain(field: Field, run: dict, *, workers: int, duration_s: float, o
         if t <= duration_s:
             curve.append({"t": max(0.0, t), "tokens": e["tokens_trained"], "test": e["loss"], "version": e["version"]})
     (out / "status.json").write_text(json.dumps(status, indent=1))
-    return {"curve": curve, "bytes": _per_worker(traffic, field, workers), "merged": status["merged_deltas"],
+    return {"curve": curve, "bytes": traffic, "merged": status["merged_deltas"],
             "rejected": status["rejected_deltas"], "throttled_s": throttled,
             "config": {k: config[k] for k in ("inner", "compression", "outer", "update_values") if k in config}}
 
@@ -183,15 +181,10 @@ def run_ddp(field: Field, spec: dict, *, out: Path, coord_share: float, python: 
         _stop(procs)
     if bad := [p.returncode for p in procs if p.returncode != 0]:
         raise RuntimeError(f"a {mode} rank exited {bad[0]}; see {out}")
-    traffic = _bytes(field, before)
-    workers = [ns for ns in places if ns != field.coord]
-    ups = [traffic[ns]["up"] for ns in workers]
-    downs = [traffic[ns]["down"] for ns in workers]
+    traffic = _bytes(field, before, [ns for ns in places if ns != field.coord], coordinator=mode == "ps")
     steps = json.loads((out / "steps.json").read_text())
-    return {"bytes": {"up_mean": sum(ups) / n, "down_mean": sum(downs) / n, "up_max": max(ups),
-                      "down_max": max(downs), "coordinator_up": traffic[field.coord]["up"] if mode == "ps" else 0,
-                      "coordinator_down": traffic[field.coord]["down"] if mode == "ps" else 0},
-            "steps": steps["steps"], "step_s_mean": sum(steps["step_s"]) / max(1, len(steps["step_s"]))}
+    return {"bytes": traffic, "steps": steps["steps"],
+            "step_s_mean": sum(steps["step_s"]) / max(1, len(steps["step_s"]))}
 
 
 def evaluate_checkpoints(out: Path, model: dict, slices: dict[str, torch.Tensor], *, keep: bool = False) -> list[dict]:

@@ -20,7 +20,7 @@ import threading
 from pathlib import Path
 
 from bench.field import report
-from bench.field.data import data_spec, slices, stage_shards
+from bench.field.data import data_spec, field_tokens, slices, stage_shards
 from bench.field.net import Field
 from bench.field.rows import evaluate_checkpoints, run_ddp, run_idletrain
 
@@ -96,8 +96,9 @@ def run(*, profile: str, out: Path, corpus: str = "builtin:stdlib", sweep_all: b
         for seed in p["seeds"]:
             run_cfg = _run_config(p, seed=seed, step_s=1.0, corpus=corpus)  # data only; the schedule comes later
             data = data_spec(run_cfg)
-            evals = slices(data)
-            staged = stage_shards(data, out / f"shards-s{seed}.npy")
+            shards, held = field_tokens(data)  # the corpus, read and cut once for every row of the seed
+            evals = slices(held, data["eval_tokens"])
+            staged = stage_shards(shards, out / f"shards-s{seed}.npy")
 
             def ddp(mode: str, comm: str, lr: float, workers: int, slot: int = 0, extra: dict | None = None,
                     python: str = sys.executable) -> None:

@@ -59,6 +59,7 @@ PER_WORKER = 8  # norms of a worker's recent deltas (or exchanges) kept: its own
 # Before a median of workers exists, a delta above this share of the reference round's norm must agree
 # with the consensus (the reference round's direction until the momentum has one)
 EARLY_SHARE = 0.5
+DISAGREES = "does not agree with the consensus"  # a direction refusal's reason begins so (coordinator/trust.py)
 
 
 class Rejection(str, enum.Enum):
@@ -217,7 +218,7 @@ def decide(norm: float, cosine: float | None, *, history: Sequence[float] | Norm
         if cosine is None or cosine >= cfg.min_agreement or (agreement is not None and agreement >= cfg.min_agreement):
             return None
         where = "" if agreement is None else f", {agreement:.3f} where the consensus is nonzero"
-        return reject(Rejection.DIRECTION, f"does not agree with the consensus: norm {norm:.4g} is {above} with "
+        return reject(Rejection.DIRECTION, f"{DISAGREES}: norm {norm:.4g} is {above} with "
                                            f"cosine {cosine:.3f}{where} (at least {cfg.min_agreement:g} needed)")
 
     if not math.isfinite(norm) or (peak is not None and not math.isfinite(peak)):

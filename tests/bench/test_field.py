@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -19,6 +18,7 @@ import torch
 
 from bench.field import report
 from bench.field.net import COORD_ADDR, Field, available
+from idletrain.harness import free_port
 from shared.model import ModelConfig, build_model
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -109,12 +109,6 @@ def test_links_are_shaped_counted_and_removed():
 # -- the data-parallel ranks ----------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _ranks(tmp: Path, mode: str, comm: str, shards: Path, workers: int = 2, steps: int = 6) -> dict:
     out = tmp / f"{mode}-{comm}"
     out.mkdir()
@@ -123,7 +117,7 @@ def _ranks(tmp: Path, mode: str, comm: str, shards: Path, workers: int = 2, step
             "model": {"n_layer": 1, "n_head": 2, "d_model": 32, "context": 16},
             "inner": {"batch_size": 4, "weight_decay": 0.1, "grad_clip": 1.0, "warmup_steps": 2},
             "shards": str(shards), "duration_s": 600, "max_steps": steps, "save_every_s": 1e9,
-            "powersgd_rank": 2, "master": f"127.0.0.1:{_free_port()}", "out": str(out), "started": time.time()}
+            "powersgd_rank": 2, "master": f"127.0.0.1:{free_port()}", "out": str(out), "started": time.time()}
     (out / "spec.json").write_text(json.dumps(spec))
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
     procs = [subprocess.Popen([sys.executable, "-m", "bench.field.ddp", str(out / "spec.json"), str(r)], env=env,
